@@ -1,0 +1,34 @@
+"""radixlm: an LLM serving runtime with a radix-tree prefix cache.
+
+Public API only; the rooms live in radixlm.srt (serving runtime), radixlm.lang (frontend DSL) and
+radixlm.kernels (GPU kernels).
+"""
+from __future__ import annotations
+
+import os as _os
+
+# A source checkout used without `pip install`: the rooms sit beside this package at the repo root.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "srt", "__init__.py")) and _root not in __path__:
+    __path__.append(_root)
+
+__version__ = "0.1.0"
+
+__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so `import radixlm` stays cheap (torch and transformers load only when used).
+    if name == "Engine":
+        from radixlm.srt.entrypoints.engine import Engine
+
+        return Engine
+    if name == "SamplingParams":
+        from radixlm.srt.sampling.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "ServerArgs":
+        from radixlm.srt.server_args import ServerArgs
+
+        return ServerArgs
+    raise AttributeError(f"module 'radixlm' has no attribute {name!r}")

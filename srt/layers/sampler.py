@@ -1,0 +1,126 @@
+"""Batched sampling on device: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+
+Randomness is counter-based: the noise for (request seed, step, token) is a hash, so a request samples the
+same tokens whatever batch it runs in, and after a retraction it regenerates exactly what it had.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply) on int64 tensors holding values < 2**32."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from a 64-bit seed and the number of tokens generated so far."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    return _mix32(_mix32(lo ^ _mix32(hi)) ^ (steps & _M32))
+
+
+@dataclass
+class PenaltyInfo:
+    frequency: torch.Tensor  # [B, 1]
+    presence: torch.Tensor  # [B, 1]
+    repetition: torch.Tensor  # [B, 1]
+    output_counts: torch.Tensor  # [B, V] float: how often each token was generated
+    seen: torch.Tensor  # [B, V] bool: token appeared in prompt or output
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [B, 1]; greedy rows hold 1.0
+    top_ps: torch.Tensor  # [B]
+    top_ks: torch.Tensor  # [B] int64, vocab size where off
+    min_ps: torch.Tensor  # [B]
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    need_top_k_p: bool
+    need_min_p: bool
+    penalties: PenaltyInfo | None = None
+    banned: torch.Tensor | None = None  # [B, V] bool: tokens forbidden this step (min_new_tokens)
+    top_logprobs_num: int = 0
+    return_logprob: bool = False
+
+
+@dataclass
+class SampleOutput:
+    next_ids: list[int]
+    logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.col_keys = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ 0x9E3779B9)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+        raw = logits
+        if info.penalties is not None:
+            logits = apply_penalties(logits, info.penalties)
+        if info.banned is not None:
+            logits = logits.masked_fill(info.banned, float("-inf"))
+        greedy_ids = logits.argmax(-1)
+        if info.all_greedy:
+            ids = greedy_ids
+        else:
+            probs = torch.softmax(logits / info.temperatures, dim=-1)
+            if info.need_top_k_p:
+                probs = top_k_top_p(probs, info.top_ks, info.top_ps)
+            if info.need_min_p:
+                floor = probs.max(-1, keepdim=True).values * info.min_ps[:, None]
+                probs = probs.masked_fill(probs < floor, 0.0)
+            ids = torch.where(info.greedy, greedy_ids, self._race(probs, info))
+        # One transfer to the host for ids and logprobs together.
+        cols = [ids.double()[:, None]]
+        k = info.top_logprobs_num
+        if info.return_logprob:
+            lp = torch.log_softmax(raw, dim=-1)
+            cols.append(lp.gather(1, ids[:, None]).double())
+            if k:
+                top = lp.topk(k, dim=-1)
+                cols += [top.indices.double(), top.values.double()]
+        host = torch.cat(cols, dim=1).cpu()
+        out = SampleOutput(next_ids=host[:, 0].long().tolist(), logprobs=None, top_ids=None, top_logprobs=None)
+        if info.return_logprob:
+            out.logprobs = host[:, 1].tolist()
+            if k:
+                out.top_ids = host[:, 2 : 2 + k].long().tolist()
+                out.top_logprobs = host[:, 2 + k :].tolist()
+        return out
+
+    def _race(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Sample each row from `probs` via the exponential race argmax(p / E), E ~ Exp(1) from the hash."""
+        keys = row_keys(info.seeds, info.steps)
+        bits = _mix32(keys[:, None] ^ self.col_keys[None, :])
+        uniform = (bits.double() + 0.5) * (1.0 / 4294967296.0)
+        exp = -torch.log(uniform)
+        return (probs.double() / exp).argmax(-1)
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyInfo) -> torch.Tensor:
+    # Repetition (HF/vLLM semantics) over prompt + output; frequency/presence (OpenAI semantics) over output.
+    logits = torch.where(p.seen, torch.where(logits > 0, logits / p.repetition, logits * p.repetition), logits)
+    return logits - p.frequency * p.output_counts - p.presence * (p.output_counts > 0).to(logits.dtype)
+
+
+def top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    # Keep the smallest head whose mass reaches top_p (the first token always survives) and at most top_k.
+    drop = ((cum - sorted_p) >= top_ps[:, None]) | (ranks >= top_ks[:, None])
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)

@@ -1,0 +1,71 @@
+"""One request's state inside the scheduler."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from radixlm.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + the request's own stop ids
+    max_new_tokens: int = 0  # resolved against the context length
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # first prompt position to return logprobs for; -1: none
+    stream: bool = False
+
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping: fill_ids[:kv_len] have KV in the slots of row `req_pool_idx`; the first
+    # len(prefix_slots) of them belong to the radix tree (locked through `last_node`), the rest are private.
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    last_node: object = None
+    extend_len: int = 0  # tokens computed in the current extend step
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    admitted: bool = False
+    retractions: int = 0
+    finished_reason: dict | None = None
+
+    input_token_logprobs: list = field(default_factory=list)
+    input_logprobs_sent: bool = False
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids if self.output_ids else self.input_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
+
+    def check_finished(self, tokenizer, context_length: int) -> None:
+        """Decide, after a token was appended, whether the request is done."""
+        last = self.output_ids[-1]
+        params = self.sampling_params
+        if len(self.output_ids) >= params.min_new_tokens and last in self.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": last}
+        elif len(self.output_ids) >= self.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= context_length:
+            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+        elif params.stop and len(self.output_ids) >= params.min_new_tokens:
+            # Decode only a tail long enough to hold any stop string that could end at the new token.
+            tail_tokens = max(len(s) for s in params.stop) + 2
+            tail = tokenizer.decode(self.output_ids[-tail_tokens:], skip_special_tokens=params.skip_special_tokens)
+            for s in params.stop:
+                if s in tail:
+                    self.finished_reason = {"type": "stop", "matched": s}
+                    break

@@ -1,0 +1,114 @@
+"""Turn user inputs (text or token ids, single or batch, sampling dicts) into scheduler requests.
+
+Shared by the in-process Engine and the server's TokenizerManager so both validate identically.
+"""
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+
+from radixlm.srt.errors import InvalidRequest
+from radixlm.srt.managers.req import Req
+from radixlm.srt.sampling.sampling_params import SamplingParams
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class PreparedInput:
+    """One prompt of a (possibly batched) call, before `n` expansion."""
+
+    input_ids: list[int]
+    text: str | None
+    params: SamplingParams
+
+
+def normalize_inputs(prompt=None, input_ids=None) -> tuple[list[str | list[int]], bool]:
+    """Returns (list of prompts, each text or token ids; whether the caller passed a batch)."""
+    if prompt is not None and input_ids is not None:
+        raise InvalidRequest("give either a prompt or input_ids, not both", param="input_ids")
+    value = input_ids if input_ids is not None else prompt
+    if value is None:
+        raise InvalidRequest("a prompt (text) or input_ids is required", param="prompt")
+    if isinstance(value, str):
+        return [value], False
+    if isinstance(value, list) and value and all(_is_token(t) for t in value):
+        return [value], False
+    if isinstance(value, list) and value and all(isinstance(v, str) or (isinstance(v, list) and all(_is_token(t) for t in v)) for v in value):
+        return list(value), True
+    if isinstance(value, list) and not value:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids, or a list of such lists",
+                         param="prompt")
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def per_prompt_params(sampling_params, count: int) -> list[SamplingParams]:
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != count:
+            raise InvalidRequest(f"got {len(sampling_params)} sampling_params for {count} prompts",
+                                 param="sampling_params")
+        return [_params(p) for p in sampling_params]
+    one = _params(sampling_params)
+    return [one] * count
+
+
+def _params(p) -> SamplingParams:
+    if isinstance(p, SamplingParams):
+        p.validate()
+        return p
+    if p is not None and not isinstance(p, dict):
+        raise InvalidRequest("sampling_params must be an object", param="sampling_params")
+    return SamplingParams.from_dict(p)
+
+
+def tokenize(tokenizer, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        try:
+            return tokenizer(prompt, add_special_tokens=True)["input_ids"], prompt
+        except UnicodeEncodeError as e:  # lone surrogates cannot be encoded
+            raise InvalidRequest(f"prompt is not valid Unicode text: {e.reason}", param="prompt") from None
+    if not prompt:
+        raise InvalidRequest("input_ids is empty", param="input_ids")
+    return list(prompt), None
+
+
+def check_logprob_args(return_logprob: bool, top_logprobs_num: int, logprob_start_len: int) -> None:
+    if not isinstance(return_logprob, bool):
+        raise InvalidRequest("return_logprob must be a boolean", param="return_logprob")
+    if not _is_token(top_logprobs_num) or not 0 <= top_logprobs_num <= 20:
+        raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs_num")
+    if not _is_token(logprob_start_len) or logprob_start_len < -1:
+        raise InvalidRequest("logprob_start_len must be an integer >= -1", param="logprob_start_len")
+
+
+def stop_token_ids(params: SamplingParams, eos_ids: list[int]) -> frozenset[int]:
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids |= set(eos_ids)
+    return frozenset(ids)
+
+
+def expand(prepared: PreparedInput, *, rid: str | None, eos_ids: list[int], rng: random.Random,
+           return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+           stream: bool = False) -> list[Req]:
+    """One Req per sample (`n`); samples of one prompt share its KV through the radix cache."""
+    p = prepared.params
+    base = rid or uuid.uuid4().hex
+    reqs = []
+    for i in range(p.n):
+        if p.seed is None:
+            seed = rng.getrandbits(63)
+        else:  # sample 0 keeps the user's seed so n=1 and n>1 agree on the first choice
+            seed = (p.seed ^ (i * 0x9E3779B97F4A7C15)) & _SEED_MASK
+        reqs.append(Req(rid=base if p.n == 1 else f"{base}-{i}", input_ids=prepared.input_ids, sampling_params=p,
+                        seed=seed, stop_token_ids=stop_token_ids(p, eos_ids), return_logprob=return_logprob,
+                        top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                        logprob_start_len=logprob_start_len if return_logprob else -1, stream=stream))
+    return reqs

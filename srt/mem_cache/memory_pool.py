@@ -1,0 +1,83 @@
+"""KV memory: a request->token slot table and the per-layer K/V slot pools (page size 1)."""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Row per running request; row[i] is the KV slot of that request's token i.
+
+    The scheduler reads slots back (to hand them to the radix tree) from a host mirror, so bookkeeping never
+    waits on the device; on a CPU device the mirror is the table itself.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.host = self.req_to_token if device.type == "cpu" else torch.zeros((size, max_context_len), dtype=torch.int32)
+        self._free = list(range(size - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, idx: int) -> None:
+        self._free.append(idx)
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
+        self.host[idx, start : start + len(slots)] = slots
+        if self.host is not self.req_to_token:
+            self.req_to_token[idx, start : start + len(slots)] = slots.to(self.req_to_token.device, non_blocking=True)
+
+    def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] (host tensors)."""
+        self.host[rows, cols] = slots.to(torch.int32)
+        if self.host is not self.req_to_token:
+            dev = self.req_to_token.device
+            self.req_to_token[rows.to(dev), cols.to(dev)] = slots.to(dev, torch.int32)
+
+    def slots(self, idx: int, length: int) -> torch.Tensor:
+        return self.host[idx, :length].to(torch.int64)
+
+
+class TokenToKVPool:
+    """K and V of every layer in two tensors [layers, slots + 1, kv_heads, head_dim]; slot 0 is padding.
+
+    The free list lives on the host: allocation is scheduler bookkeeping and must never sync the device.
+    """
+
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.size = size
+        self.dtype = dtype
+        self.device = device
+        shape = (num_layers, size + 1, num_kv_heads, head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > len(self._free):
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if len(slots):
+            self._free = torch.cat([self._free, slots.to("cpu", torch.int64)])
+
+    def free_slots(self) -> torch.Tensor:
+        return self._free
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)

@@ -1,0 +1,153 @@
+"""GGUF checkpoints: metadata -> ModelConfig, tensors dequantized (gguf package) to HF names and layout."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.model_loader.default_model import cache_dir
+from radixlm.srt.model_loader.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _reader_class():
+    import gguf  # noqa: PLC0415 - only GGUF users pay for the import
+
+    class PlainArrayReader(gguf.GGUFReader):
+        """GGUFReader parses metadata through tens of thousands of tiny slices of its np.memmap; each memmap
+        slice pays for subclass bookkeeping. A plain ndarray view of the same mapping parses ~3x faster."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)
+
+    return gguf, PlainArrayReader
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | os.PathLike):
+        gguf, reader_cls = _reader_class()
+        self.path = Path(path)
+        try:
+            self.reader = reader_cls(self.path)
+        except Exception as e:  # the gguf package raises bare ValueErrors for bad files
+            raise ModelLoadError(f"cannot read GGUF file {self.path}: {e}", param="model_path") from e
+        self.gguf = gguf
+        arch = self._field("general.architecture")
+        if arch not in _ARCHES:
+            raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHES)}",
+                                 param="model_path")
+        self.arch = arch
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise ModelLoadError("GGUF files with rope_freqs (Llama-3 rope scaling) are not supported yet; "
+                                 "load the HF checkpoint instead", param="model_path")
+        self.config = self._build_config(names)
+
+    def _field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _build_config(self, names: set[str]) -> ModelConfig:
+        a = self.arch
+        heads = self._field(f"{a}.attention.head_count")
+        hidden = self._field(f"{a}.embedding_length")
+        head_dim = self._field(f"{a}.attention.key_length") or hidden // heads
+        vocab = self._field(f"{a}.vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        scaling_type = self._field(f"{a}.rope.scaling.type")
+        scaling = None
+        if scaling_type and scaling_type != "none":
+            scaling = {"rope_type": scaling_type, "factor": self._field(f"{a}.rope.scaling.factor"),
+                       "original_max_position_embeddings": self._field(f"{a}.rope.scaling.original_context_length")}
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            architecture=_ARCHES[a],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=self._field(f"{a}.feed_forward_length"),
+            num_layers=self._field(f"{a}.block_count"),
+            num_heads=heads,
+            num_kv_heads=self._field(f"{a}.attention.head_count_kv") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            context_length=self._field(f"{a}.context_length", 2048),
+            tie_word_embeddings="output.weight" not in names,
+            qkv_bias=a == "qwen2",
+            qk_norm=a == "qwen3",
+            eos_token_ids=[eos] if eos is not None else [],
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
+        )
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`."""
+        cfg = self.config
+        for t in tqdm(self.reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
+            name = _hf_name(t.name)
+            if name is None:
+                logger.warning("skipping unknown GGUF tensor %s", t.name)
+                continue
+            array = self.gguf.dequantize(t.data, t.tensor_type)
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                # llama.cpp's converter interleaves the rotary halves of Q/K rows; undo it for rotate-half rope.
+                n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+                array = _unpermute(array, n)
+            yield name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+
+    def load_tokenizer(self):
+        """transformers builds a tokenizer from GGUF metadata slowly (~10 s), so we convert once and cache it."""
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        st = self.path.stat()
+        key = hashlib.sha1(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        target = cache_dir() / "tokenizers" / key
+        if (target / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(target)
+        tok = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        tmp = target.with_name(f"{key}.tmp{os.getpid()}")
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+        return tok
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        hf = _LAYER_NAMES.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    base, _, kind = gguf_name.rpartition(".")
+    hf = _GLOBAL_NAMES.get(base)
+    return f"{hf}.{kind}" if hf else None
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,66 @@
+"""Local Hugging Face checkpoints: config.json + one or many *.safetensors (with or without an index)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.model_loader.model_config import ModelConfig
+
+
+class HFCheckpoint:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"{config_file} not found: a model directory needs a config.json", param="model_path")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{config_file} is not valid JSON: {e}", param="model_path") from e
+        self.raw_config = raw
+        self.config = ModelConfig.from_hf(raw)
+        self.files = self._weight_files()
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [self.path / n for n in names]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise ModelLoadError(f"weight file(s) listed in {index.name} are missing: {', '.join(missing)}",
+                                     param="model_path")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            other = sorted(p.name for p in self.path.glob("*.bin"))
+            hint = f" (found {', '.join(other)}: only safetensors is supported)" if other else ""
+            raise ModelLoadError(f"no *.safetensors weights in {self.path}{hint}", param="model_path")
+        return files
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open  # noqa: PLC0415
+
+        with tqdm(total=len(self.files), desc="Loading safetensors", unit="file", leave=False) as bar:
+            for file in self.files:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name).to(dtype)
+                bar.update(1)
+
+    def load_tokenizer(self, tokenizer_path: str | None = None):
+        return load_tokenizer(tokenizer_path or str(self.path))
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}", param="tokenizer_path") from e

@@ -1,0 +1,102 @@
+"""Resolve a model path, pick device and dtype, build our model and fill it from the checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
+from radixlm.srt.model_loader.hf_loader import HFCheckpoint, load_tokenizer
+from radixlm.srt.model_loader.model_config import ModelConfig, parse_dtype
+from radixlm.srt.models.llama import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_path: str
+    served_model_name: str
+    load_seconds: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available", param="device")
+    return device
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cpu":
+        return torch.float32  # CPUs without bf16 units run fp32 matmuls much faster than bf16/fp16
+    ckpt = config.checkpoint_dtype
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def open_checkpoint(model_path: str | None) -> tuple[GGUFCheckpoint | HFCheckpoint, str, str]:
+    """Returns (checkpoint, resolved path, served model name)."""
+    if not model_path:
+        path = default_model_path()
+        return GGUFCheckpoint(path), str(path), DEFAULT_MODEL_NAME
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {model_path!r} does not exist (no Hugging Face hub access: "
+                             "give a local directory or .gguf file)", param="model_path")
+    name = path.stem if path.is_file() else path.name
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {model_path!r} is not a .gguf file", param="model_path")
+        return GGUFCheckpoint(path), str(path), name
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists() and len(ggufs) == 1:
+        return GGUFCheckpoint(ggufs[0]), str(ggufs[0]), name
+    return HFCheckpoint(path), str(path), name
+
+
+def load_model(model_path: str | None = None, *, tokenizer_path: str | None = None, dtype: str = "auto",
+               device: str = "auto", context_length: int | None = None,
+               served_model_name: str | None = None) -> LoadedModel:
+    start = time.perf_counter()
+    ckpt, resolved, name = open_checkpoint(model_path)
+    config = ckpt.config
+    if context_length is not None:
+        if context_length <= 0:
+            raise ValueError(f"context_length must be positive, got {context_length}")
+        if context_length > config.context_length:
+            logger.warning("context_length %d exceeds the model's %d", context_length, config.context_length)
+        config = dataclasses.replace(config, context_length=context_length)
+    dev = resolve_device(device)
+    run_dtype = resolve_dtype(dtype, config, dev)
+    model_cls = MODEL_REGISTRY[config.architecture]
+    old_default = torch.get_default_dtype()
+    torch.set_default_dtype(run_dtype)
+    try:
+        with torch.device(dev):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(old_default)
+    model.load_weights(ckpt.weights(run_dtype))
+    model.eval()
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else ckpt.load_tokenizer()
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config.eos_token_ids = [tokenizer.eos_token_id]
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s on %s) in %.1f s", name, config.architecture, run_dtype, dev, seconds)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, device=dev, dtype=run_dtype,
+                       model_path=resolved, served_model_name=served_model_name or name, load_seconds=seconds)

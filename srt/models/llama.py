@@ -1,0 +1,156 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) on our own layers."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.layers.attention.base import RadixAttention
+from radixlm.srt.layers.basic import Embedding, Linear, RMSNorm, SiluAndMul
+from radixlm.srt.layers.rotary import RotaryEmbedding
+from radixlm.srt.model_executor.forward_batch import ForwardBatch
+from radixlm.srt.model_loader.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.h * self.d, self.kvh * self.d
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = RadixAttention(layer_id, self.h, self.kvh, self.d, self.d**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(-1, self.h, self.d), k.view(-1, self.kvh, self.d), v.view(-1, self.kvh, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, fb: ForwardBatch):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, fb)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        # One cos/sin table (float32) shared by every layer.
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, fb)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Returns float32 logits for the rows in `fb.logits_indices`."""
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return torch.matmul(hidden[fb.logits_indices], self.lm_head_weight.t()).float()
+
+    # --- weights -------------------------------------------------------------------------------------------
+    _STACKED = {  # checkpoint name part -> (our fused parameter, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        n = cfg.intermediate_size
+        return (shard * n, (shard + 1) * n)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        pending = {name: 1 for name in params}
+        for fused in ("qkv_proj", "gate_up_proj"):
+            for name in params:
+                if f".{fused}." in name:
+                    pending[name] = 3 if fused == "qkv_proj" else 2
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, rows = name, None
+            for part, (fused, shard) in self._STACKED.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    rows = self._shard_bounds(fused, shard)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}",
+                                     param="model_path")
+            dest = param.data if rows is None else param.data[rows[0] : rows[1]]
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dest.shape)}", param="model_path")
+            dest.copy_(tensor)
+            pending[target] -= 1
+        missing = sorted(n for n, left in pending.items() if left > 0)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
+                                 f"{' ...' if len(missing) > 5 else ''}", param="model_path")
+
+
+# Every architecture we serve is this one class; the differences live in ModelConfig flags.
+MODEL_REGISTRY = {arch: LlamaForCausalLM for arch in
+                  ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}

@@ -1,0 +1,81 @@
+"""One `ServerArgs` dataclass holds every knob; the CLI is generated from its fields."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = _opt(None, "HF directory, .gguf file, or empty for the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _opt(None, "tokenizer directory (default: the model's)")
+    served_model_name: str | None = _opt(None, "name reported by /v1/models (default: derived from the model path)")
+    dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "float16", "bfloat16"))
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto")
+    context_length: int | None = _opt(None, "override the model's maximum context length")
+    random_seed: int = _opt(0, "seed for anything not seeded per request")
+    # HTTP
+    host: str = _opt("127.0.0.1", "HTTP host")
+    port: int = _opt(30000, "HTTP port")
+    api_key: str | None = _opt(None, "require this bearer key on every route but /health")
+    log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
+    # Memory and scheduling
+    tp_size: int = _opt(1, "tensor parallel size")
+    mem_fraction_static: float | None = _opt(None, "GPU: fraction of device memory for weights + KV cache")
+    max_total_tokens: int | None = _opt(None, "KV cache size in tokens (default: from memory)")
+    max_running_requests: int | None = _opt(None, "most requests decoding at once")
+    max_prefill_tokens: int = _opt(16384, "most new prompt tokens in one extend batch")
+    chunked_prefill_size: int | None = _opt(None, "split prompts into chunks of this many tokens (default 8192 GPU, 1024 CPU; -1 off)")
+    schedule_policy: str = _opt("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs", "lof", "random"))
+    schedule_conservativeness: float = _opt(1.0, "scale of the decode-growth reserve at admission")
+    disable_radix_cache: bool = _opt(False, "no prefix sharing across requests")
+    stream_interval: int = _opt(1, "send streamed output every N tokens")
+    # Backends
+    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "flashinfer", "triton"))
+    grammar_backend: str = _opt("outlines", "constrained decoding backend", ("outlines", "xgrammar", "none"))
+
+    def __post_init__(self) -> None:
+        if self.tp_size != 1:
+            raise ValueError("tp_size: only 1 is supported so far")
+        for name in ("max_total_tokens", "max_running_requests"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_prefill_tokens <= 0:
+            raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.stream_interval <= 0:
+            raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            meta = f.metadata
+            if kind is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=meta.get("help"))
+                continue
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            parser.add_argument(flag, type=base, default=f.default, choices=meta.get("choices"), help=meta.get("help"))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{name: getattr(args, name) for name in cls.field_names()})

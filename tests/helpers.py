@@ -1,0 +1,96 @@
+"""Shared test utilities: tiny random HF checkpoints and direct model forwards."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def smollm_tokenizer():
+    """The embedded model's tokenizer (cached after the first conversion from GGUF)."""
+    from radixlm.srt.model_loader.default_model import default_model_path
+    from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
+
+    return GGUFCheckpoint(default_model_path()).load_tokenizer()
+
+
+def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool = False, dtype=torch.float32, seed: int = 0,
+                         rope_scaling: dict | None = None, vocab_size: int | None = None, shards: int = 1) -> Path:
+    """A small random model saved with transformers' own save_pretrained, with the SmolLM2 tokenizer."""
+    import transformers
+
+    tok = smollm_tokenizer()
+    vocab = vocab_size or len(tok)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        if rope_scaling:
+            cfg.rope_parameters = {"rope_theta": 10000.0, **rope_scaling}
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=None)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    if arch == "qwen2":  # make the qkv biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+                layer.self_attn.k_proj.bias.normal_(0, 0.5)
+                layer.self_attn.v_proj.bias.normal_(0, 0.5)
+    max_shard = None
+    if shards > 1:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        max_shard = f"{total // shards // 1000 + 1}KB"
+    kwargs = {"max_shard_size": max_shard} if max_shard else {}
+    model.save_pretrained(path, **kwargs)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
+def forward_logits(engine, ids: list[int], split: int | None = None) -> torch.Tensor:
+    """Logits for every position of `ids` from our model, optionally computed as two extends
+    (ids[:split], then the rest attending to the cached prefix). Uses and returns the engine's pools' slots."""
+    runner = engine.runner
+    row = runner.req_to_token_pool.alloc()
+    slots = runner.token_to_kv_pool.alloc(len(ids))
+    runner.req_to_token_pool.write(row, 0, slots)
+    pieces = [(0, len(ids))] if split is None else [(0, split), (split, len(ids))]
+    out = []
+    try:
+        for start, end in pieces:
+            fb = ForwardBatch.build(ForwardMode.EXTEND, runner.device, input_ids=ids[start:end],
+                                    positions=list(range(start, end)), req_pool_indices=[row], seq_lens=[end],
+                                    out_cache_loc=slots[start:end], logits_indices=list(range(end - start)),
+                                    extend_prefix_lens=[start], extend_seq_lens=[end - start])
+            out.append(runner.forward(fb))
+    finally:
+        runner.token_to_kv_pool.free(slots)
+        runner.req_to_token_pool.free(row)
+    return torch.cat(out)
+
+
+def hf_logits(model_dir, ids: list[int], dtype=torch.float32, device="cpu", gguf_file: str | None = None):
+    import transformers
+
+    kwargs = {"dtype": dtype}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device).eval()
+    with torch.no_grad():
+        return model, model(torch.tensor([ids], device=device)).logits[0].float()
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0))
