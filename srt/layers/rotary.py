@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D]."""
-        cs = self.cos_sin[positions].unsqueeze(1)
+        cs = self.cos_sin.index_select(0, positions).unsqueeze(1)
         cos, sin = cs[..., : self.half], cs[..., self.half :]
         return _apply(q, cos, sin), _apply(k, cos, sin)
 

@@ -101,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits for the rows in `fb.logits_indices`."""
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        return torch.matmul(hidden[fb.logits_indices], self.lm_head_weight.t()).float()
+        return torch.matmul(hidden.index_select(0, fb.logits_indices), self.lm_head_weight.t()).float()
 
     # --- weights -------------------------------------------------------------------------------------------
     _STACKED = {  # checkpoint name part -> (our fused parameter, shard index)

@@ -1,0 +1,5 @@
+import sys
+
+from radixlm.cli import main
+
+sys.exit(main())

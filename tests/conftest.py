@@ -1,0 +1,30 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smol_engine():
+    """One SmolLM2 Engine shared by tests that only generate (they must leave it idle and clean)."""
+    import radixlm
+
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=16384)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Tiny random checkpoints of every supported architecture, built once per session."""
+    from tests.helpers import TINY_ARCHS, make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_checkpoint(root / arch, arch, tie=arch == "qwen3") for arch in TINY_ARCHS}

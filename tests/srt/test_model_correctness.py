@@ -1,0 +1,78 @@
+"""Our model code against transformers' on the same weights (fp32, CPU)."""
+import json
+
+import pytest
+import torch
+
+import radixlm
+from tests.helpers import TINY_ARCHS, forward_logits, hf_logits, make_tiny_checkpoint
+
+PROMPT_IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 3575, 282, 19628, 47, 2, 17, 9, 300]
+
+
+def _greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_logits_and_greedy_match_transformers(tiny_dirs, arch):
+    engine = radixlm.Engine(str(tiny_dirs[arch]), log_level="warning", max_total_tokens=2048)
+    ours = forward_logits(engine, PROMPT_IDS)
+    ref_model, ref = hf_logits(tiny_dirs[arch], PROMPT_IDS)
+    assert ref.std() > 0.5  # logits must be spread out, or greedy agreement proves little
+    assert (ours - ref).abs().max().item() < 1e-4
+    out = engine.generate(input_ids=PROMPT_IDS, sampling_params={"temperature": 0, "max_new_tokens": 64,
+                                                                 "ignore_eos": True})
+    assert out["output_ids"] == _greedy(ref_model, PROMPT_IDS, 64)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 64}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefix_in_two_extends_matches_one(tiny_dirs, arch):
+    engine = radixlm.Engine(str(tiny_dirs[arch]), log_level="warning", max_total_tokens=2048)
+    whole = forward_logits(engine, PROMPT_IDS)
+    for split in (1, 7, 19):
+        parts = forward_logits(engine, PROMPT_IDS, split=split)
+        assert (parts - whole).abs().max().item() < 1e-4
+
+
+def test_untied_sharded_bf16_checkpoint(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "m", "llama", tie=False, dtype=torch.bfloat16, shards=3)
+    assert (d / "model.safetensors.index.json").exists()
+    assert len(list(d.glob("*.safetensors"))) >= 2
+    auto = radixlm.Engine(str(d), log_level="warning", max_total_tokens=1024)
+    assert auto.loaded.dtype == torch.float32  # dtype=auto follows the checkpoint, but CPU runs fp32
+    _, ref = hf_logits(d, PROMPT_IDS, dtype=torch.float32)
+    assert (forward_logits(auto, PROMPT_IDS) - ref).abs().max().item() < 1e-4
+    bf16 = radixlm.Engine(str(d), log_level="warning", max_total_tokens=1024, dtype="bfloat16")
+    assert bf16.loaded.dtype == torch.bfloat16
+    rel = (forward_logits(bf16, PROMPT_IDS) - ref).norm() / ref.norm()
+    assert rel < 0.05
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    d = make_tiny_checkpoint(tmp_path / "m", "llama", rope_scaling=scaling)
+    assert json.loads((d / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    engine = radixlm.Engine(str(d), log_level="warning", max_total_tokens=1024)
+    ids = (PROMPT_IDS * 8)[:150]
+    _, ref = hf_logits(d, ids)
+    assert (forward_logits(engine, ids) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_gguf_loader(smol_engine):
+    from radixlm.srt.model_loader.default_model import default_model_path
+
+    path = default_model_path()
+    ids = smol_engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                    add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ref_model, ref = hf_logits(str(path.parent), ids, gguf_file=path.name)
+    ours = forward_logits(smol_engine, ids)
+    assert (ours - ref).abs().max().item() < 1e-3
+    out = smol_engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 64,
+                                                               "ignore_eos": True})
+    assert out["output_ids"] == _greedy(ref_model, ids, 64)
