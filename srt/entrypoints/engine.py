@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from radixlm.srt.errors import InvalidRequest
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.req import Req
 from radixlm.srt.managers.request_prep import (PreparedInput, check_logprob_args, expand, normalize_inputs,
@@ -40,87 +41,120 @@ class Engine:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self._rng = random.Random(args.random_seed)
         self._ids = itertools.count()
+        self._state: dict[str, dict] = {}  # per unfinished request: output ids, logprobs, start time
+        self._undelivered: list[dict] = []
 
     # --- generation ----------------------------------------------------------------------------------------
     def generate(self, prompt=None, sampling_params=None, input_ids=None, *, return_logprob: bool = False,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1, stream: bool = False, rid=None):
         """Text or token ids, single or batch. Returns a dict (a list for a batch or n > 1), or with
         stream=True an iterator of dicts whose `text` grows."""
-        reqs, batched = self._prepare(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                      logprob_start_len, stream, rid)
+        rids, batched = self._submit(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                     logprob_start_len, stream, rid)
         if stream:
-            return self._stream(reqs)
-        results = {}
-        for item in self._drive(reqs):
-            if item["meta_info"]["finish_reason"] is not None:
-                results[item["meta_info"]["id"]] = item
-        ordered = [results[r.rid] for r in reqs]
+            return self._follow(rids)
+        results = {item["meta_info"]["id"]: item for item in self._follow(rids) if item["finished"]}
+        ordered = [results[r] for r in rids]
         return ordered if batched or len(ordered) > 1 else ordered[0]
 
     def chat(self, messages: list[dict], sampling_params=None, **kwargs):
         """Apply the model's chat template to `messages` and generate the assistant's reply."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return self.generate(input_ids=list(ids), sampling_params=sampling_params, **kwargs)
+        return self.generate(input_ids=self.chat_ids(messages), sampling_params=sampling_params, **kwargs)
 
-    def _prepare(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len,
-                 stream, rid) -> tuple[list[Req], bool]:
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    # --- step-level API (what generate() is built on) ----------------------------------------------------
+    def add_request(self, prompt=None, sampling_params=None, input_ids=None, *, return_logprob: bool = False,
+                    top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None) -> list[str]:
+        """Queue requests without running them; returns their ids (one per prompt and sample)."""
+        return self._submit(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                            logprob_start_len, False, rid)[0]
+
+    def step(self) -> list[dict]:
+        """Run one scheduler step; returns a progress dict for every request that advanced or finished."""
+        updates, self._undelivered = self._undelivered, []
+        return updates + self._step_once()
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request; the next step() reports it finished with reason `abort`."""
+        return self.scheduler.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._state)
+
+    def _submit(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len,
+                stream, rid) -> tuple[list[str], bool]:
         prompts, batched = normalize_inputs(prompt, input_ids)
         params = per_prompt_params(sampling_params, len(prompts))
         check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len)
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        if len(rids) != len(prompts):
+            raise InvalidRequest(f"got {len(rids)} rids for {len(prompts)} prompts", param="rid")
         eos = self.loaded.config.eos_token_ids
         reqs: list[Req] = []
         for p, sp, r in zip(prompts, params, rids):
             ids, text = tokenize(self.tokenizer, p)
-            prepared = PreparedInput(ids, text, sp)
-            r = r if r is not None else f"engine-{next(self._ids)}"
-            reqs += expand(prepared, rid=r, eos_ids=eos, rng=self._rng, return_logprob=return_logprob,
+            reqs += expand(PreparedInput(ids, text, sp), rid=r if r is not None else f"engine-{next(self._ids)}",
+                           eos_ids=eos, rng=self._rng, return_logprob=return_logprob,
                            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream)
+        taken = [r.rid for r in reqs if r.rid in self._state]
+        if taken or len({r.rid for r in reqs}) != len(reqs):
+            raise InvalidRequest(f"request id {(taken or [reqs[0].rid])[0]!r} is already in use", param="rid")
         for r in reqs:  # all or nothing: a bad request in a batch enqueues none of it
             self.scheduler.validate(r)
-        return reqs, batched
-
-    def _stream(self, reqs: list[Req]) -> Iterator[dict]:
-        yield from self._drive(reqs)
-
-    def _drive(self, reqs: list[Req]) -> Iterator[dict]:
-        """Step the scheduler until these requests finish, yielding each progress update."""
-        start = time.perf_counter()
-        state = {}
+        now = time.perf_counter()
         for r in reqs:
             p = r.sampling_params
             self.detokenizer.register(r.rid, skip_special_tokens=p.skip_special_tokens,
                                       spaces_between_special_tokens=p.spaces_between_special_tokens,
                                       stop=p.stop, no_stop_trim=p.no_stop_trim)
             self.scheduler.add(r)
-            state[r.rid] = {"ids": [], "logprobs": {}}
-        pending = set(state)
+            self._state[r.rid] = {"ids": [], "logprobs": {}, "start": now}
+        return [r.rid for r in reqs], batched
+
+    def _step_once(self) -> list[dict]:
+        outputs = self.scheduler.step()
+        if not outputs and self._state and not self.scheduler.has_work():
+            raise RuntimeError("scheduler went idle with requests pending")
+        updates = []
+        for d in self.detokenizer.process(outputs):
+            s = self._state.get(d.rid)
+            if s is None:
+                continue
+            out = d.out
+            s["ids"] += out.new_ids
+            _merge_logprobs(s["logprobs"], out)
+            finished = out.finished_reason is not None
+            if finished:
+                del self._state[d.rid]
+            updates.append({"text": d.text, "output_ids": list(s["ids"]), "finished": finished,
+                            "meta_info": {"id": d.rid, "finish_reason": out.finished_reason,
+                                          "prompt_tokens": out.prompt_tokens,
+                                          "completion_tokens": out.completion_tokens,
+                                          "cached_tokens": out.cached_tokens,
+                                          "e2e_latency": time.perf_counter() - s["start"], **s["logprobs"]}})
+        return updates
+
+    def _follow(self, rids: list[str]) -> Iterator[dict]:
+        """Step until `rids` finish, yielding their updates; others' updates wait for the next step() call."""
+        pending = set(rids)
         try:
             while pending:
-                outputs = self.scheduler.step()
-                if not outputs and not self.scheduler.has_work():
-                    raise RuntimeError("scheduler went idle with requests pending")
-                for d in self.detokenizer.process(outputs):
-                    if d.rid not in state:
+                for item in self._step_once():
+                    rid = item["meta_info"]["id"]
+                    if rid not in pending:
+                        self._undelivered.append(item)
                         continue
-                    s = state[d.rid]
-                    out = d.out
-                    s["ids"] += out.new_ids
-                    _merge_logprobs(s["logprobs"], out)
-                    if out.finished_reason is not None:
-                        pending.discard(d.rid)
-                    yield {"text": d.text, "output_ids": list(s["ids"]),
-                           "meta_info": {"id": d.rid, "finish_reason": out.finished_reason,
-                                         "prompt_tokens": out.prompt_tokens,
-                                         "completion_tokens": out.completion_tokens,
-                                         "cached_tokens": out.cached_tokens,
-                                         "e2e_latency": time.perf_counter() - start, **s["logprobs"]}}
+                    if item["finished"]:
+                        pending.discard(rid)
+                    yield item
         finally:
             for rid in pending:  # the caller stopped early or a step failed: free what they held
                 self.scheduler.abort(rid, notify=False)
                 self.detokenizer.discard(rid)
+                self._state.pop(rid, None)
 
     # --- management ----------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -116,12 +116,12 @@ class RadixCache:
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
-            if node.lock_ref == 1:
+            assert node.lock_ref > 0, "radix lock released twice"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
                 self._push_if_evictable(node)
-            node.lock_ref -= 1
-            assert node.lock_ref >= 0, "radix lock released twice"
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
