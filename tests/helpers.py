@@ -27,7 +27,7 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool = False, dtype=torc
     tok = smollm_tokenizer()
     vocab = vocab_size or len(tok)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common)

@@ -143,6 +143,8 @@ class Scheduler:
         s.update(cache_hit_rate=self.stats.cache_hit_rate, num_running=len(self.running) + (self.chunked is not None),
                  num_waiting=len(self.waiting), kv_total=self.kv_pool.size, kv_free=self.kv_pool.available_size(),
                  kv_cached=self.tree_cache.total_size(), kv_evictable=self.tree_cache.evictable_size(),
+                 evicted_tokens=self.tree_cache.evicted_tokens,
+                 gen_throughput=self.stats.generated_tokens / self.stats.busy_seconds if self.stats.busy_seconds else 0.0,
                  new_token_ratio=self.new_token_ratio, last_step=self.last_step)
         s["kv_used"] = s["kv_total"] - s["kv_free"] - s["kv_evictable"]
         return s

@@ -52,6 +52,7 @@ class RadixCache:
         self._evictable = 0
         self._protected = 0
         self._heap: list[tuple[float, int, TreeNode]] = []
+        self.evicted_tokens = 0
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached prefix of `key`: (its KV slots, the node ending exactly there)."""
@@ -138,6 +139,7 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.key[0]]
             self._push_if_evictable(parent)
+        self.evicted_tokens += freed
         if len(self._heap) > 4 * (self._evictable + 64):
             self._heap = [e for e in self._heap if not e[2].removed]
             heapq.heapify(self._heap)
@@ -196,6 +198,8 @@ class RadixCache:
 
 class ChunkCache:
     """`--disable-radix-cache`: the same interface, no sharing across requests."""
+
+    evicted_tokens = 0
 
     def __init__(self, kv_pool: TokenToKVPool):
         self.kv_pool = kv_pool
