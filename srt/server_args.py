@@ -18,6 +18,8 @@ class ServerArgs:
     tokenizer_path: str | None = _opt(None, "tokenizer directory (default: the model's)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models (default: derived from the model path)")
     dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "float16", "bfloat16"))
+    load_format: str = _opt("auto", "auto: read the checkpoint; dummy: random weights from config.json (benchmarks)",
+                            ("auto", "dummy"))
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto")
     context_length: int | None = _opt(None, "override the model's maximum context length")
     random_seed: int = _opt(0, "seed for anything not seeded per request")

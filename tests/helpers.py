@@ -20,11 +20,12 @@ def smollm_tokenizer():
 
 
 def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool = False, dtype=torch.float32, seed: int = 0,
-                         rope_scaling: dict | None = None, vocab_size: int | None = None, shards: int = 1) -> Path:
+                         rope_scaling: dict | None = None, vocab_size: int | None = None, shards: int = 1,
+                         tokenizer=None) -> Path:
     """A small random model saved with transformers' own save_pretrained, with the SmolLM2 tokenizer."""
     import transformers
 
-    tok = smollm_tokenizer()
+    tok = tokenizer or smollm_tokenizer()
     vocab = vocab_size or len(tok)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,

@@ -13,7 +13,7 @@ from radixlm.srt.model_loader.model_config import ModelConfig
 
 
 class HFCheckpoint:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, require_weights: bool = True):
         self.path = Path(path)
         config_file = self.path / "config.json"
         if not config_file.is_file():
@@ -24,7 +24,13 @@ class HFCheckpoint:
             raise ModelLoadError(f"{config_file} is not valid JSON: {e}", param="model_path") from e
         self.raw_config = raw
         self.config = ModelConfig.from_hf(raw)
-        self.files = self._weight_files()
+        gen_cfg = self.path / "generation_config.json"
+        if gen_cfg.is_file():  # e.g. Llama 3 lists several end-of-turn ids here
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            for e in [eos] if isinstance(eos, int) else (eos or []):
+                if e not in self.config.eos_token_ids:
+                    self.config.eos_token_ids.append(e)
+        self.files = self._weight_files() if require_weights else []
 
     def _weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"

@@ -49,7 +49,7 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def open_checkpoint(model_path: str | None) -> tuple[GGUFCheckpoint | HFCheckpoint, str, str]:
+def open_checkpoint(model_path: str | None, dummy: bool = False) -> tuple[GGUFCheckpoint | HFCheckpoint, str, str]:
     """Returns (checkpoint, resolved path, served model name)."""
     if not model_path:
         path = default_model_path()
@@ -66,14 +66,14 @@ def open_checkpoint(model_path: str | None) -> tuple[GGUFCheckpoint | HFCheckpoi
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").exists() and len(ggufs) == 1:
         return GGUFCheckpoint(ggufs[0]), str(ggufs[0]), name
-    return HFCheckpoint(path), str(path), name
+    return HFCheckpoint(path, require_weights=not dummy), str(path), name
 
 
 def load_model(model_path: str | None = None, *, tokenizer_path: str | None = None, dtype: str = "auto",
-               device: str = "auto", context_length: int | None = None,
-               served_model_name: str | None = None) -> LoadedModel:
+               device: str = "auto", context_length: int | None = None, served_model_name: str | None = None,
+               load_format: str = "auto") -> LoadedModel:
     start = time.perf_counter()
-    ckpt, resolved, name = open_checkpoint(model_path)
+    ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
     config = ckpt.config
     if context_length is not None:
         if context_length <= 0:
@@ -91,7 +91,10 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
             model = model_cls(config)
     finally:
         torch.set_default_dtype(old_default)
-    model.load_weights(ckpt.weights(run_dtype))
+    if load_format == "dummy":
+        _random_weights(model)
+    else:
+        model.load_weights(ckpt.weights(run_dtype))
     model.eval()
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else ckpt.load_tokenizer()
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
@@ -100,3 +103,14 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
     logger.info("loaded %s (%s, %s on %s) in %.1f s", name, config.architecture, run_dtype, dev, seconds)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, device=dev, dtype=run_dtype,
                        model_path=resolved, served_model_name=served_model_name or name, load_seconds=seconds)
+
+
+@torch.no_grad()
+def _random_weights(model: torch.nn.Module) -> None:
+    """Speed does not depend on weight values: fill in place on the device (norm weights 1, the rest small)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
