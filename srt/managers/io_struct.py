@@ -1,5 +1,8 @@
-"""Typed messages between the tokenizer manager, scheduler and detokenizer (msgspec structs, msgpack on the wire)."""
+"""Typed messages between the tokenizer manager, scheduler and detokenizer: msgspec structs, msgpack on the
+wire (never pickle from a socket). One tagged union per direction."""
 from __future__ import annotations
+
+from typing import Any, Union
 
 import msgspec
 
@@ -17,3 +20,63 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     input_logprobs: list[tuple[float | None, int]] | None = None
     output_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Sent with a request's first output so the detokenizer knows how to render it.
+    detok: dict | None = None
+
+
+# --- tokenizer manager -> scheduler ----------------------------------------------------------------------
+class GenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict
+    seed: int
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+
+
+class ControlReq(msgspec.Struct, tag=True):
+    """flush_cache | get_stats | shutdown; answered with a ControlResp carrying the same id."""
+
+    id: int
+    kind: str
+
+
+SchedulerIn = Union[GenerateReq, AbortReq, ControlReq]
+
+
+# --- scheduler -> detokenizer --------------------------------------------------------------------------------
+class BatchTokenOutput(msgspec.Struct, tag=True):
+    outputs: list[TokenOutput]
+
+
+# --- detokenizer / scheduler -> tokenizer manager ----------------------------------------------------------
+class StrOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    rid: str
+    delta: str
+    new_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finished_reason: dict | None = None
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    output_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+
+
+class BatchStrOutput(msgspec.Struct, tag=True):
+    outputs: list[StrOutput]
+
+
+class ControlResp(msgspec.Struct, tag=True):
+    id: int
+    ok: bool
+    payload: Any = None
+
+
+TokenizerIn = Union[BatchStrOutput, ControlResp]

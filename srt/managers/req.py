@@ -37,6 +37,7 @@ class Req:
 
     input_token_logprobs: list = field(default_factory=list)
     input_logprobs_sent: bool = False
+    detok_sent: bool = False
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)

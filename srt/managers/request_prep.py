@@ -8,7 +8,7 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from radixlm.srt.errors import InvalidRequest
+from radixlm.srt.errors import ContextLengthExceeded, InvalidRequest
 from radixlm.srt.managers.req import Req
 from radixlm.srt.sampling.sampling_params import SamplingParams
 
@@ -112,3 +112,29 @@ def expand(prepared: PreparedInput, *, rid: str | None, eos_ids: list[int], rng:
                         top_logprobs_num=top_logprobs_num if return_logprob else 0,
                         logprob_start_len=logprob_start_len if return_logprob else -1, stream=stream))
     return reqs
+
+
+def check_request_limits(input_ids: list[int], requested: int | None, context_length: int, kv_size: int,
+                         vocab_size: int) -> int:
+    """Validate a prompt against the model and the KV cache; returns the resolved max_new_tokens."""
+    n = len(input_ids)
+    if n == 0:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if any(not (_is_token(t) and 0 <= t < vocab_size) for t in input_ids):
+        raise InvalidRequest(f"input_ids must be token ids in [0, {vocab_size})", param="input_ids")
+    if n >= context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens; the prompt has {n} tokens "
+            "and no room is left for generation.", param="prompt")
+    if requested is None:
+        max_new = context_length - n
+    elif n + requested > context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, you requested "
+            f"{n + requested} tokens ({n} in the prompt, {requested} for the completion).", param="max_tokens")
+    else:
+        max_new = requested
+    if n + max_new > kv_size:
+        raise InvalidRequest(f"the request needs up to {n + max_new} KV cache slots but the cache holds {kv_size}; "
+                             "lower max_tokens", param="max_tokens")
+    return max_new

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from radixlm.srt.errors import ContextLengthExceeded, InvalidRequest
 from radixlm.srt.managers.io_struct import TokenOutput
 from radixlm.srt.managers.req import Req
+from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.managers.schedule_batch import sampling_info
 from radixlm.srt.managers.schedule_policy import SchedulePolicy
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
@@ -78,28 +78,8 @@ class Scheduler:
 
     def validate(self, req: Req) -> None:
         """Check a request against the model and memory limits and resolve its max_new_tokens."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in req.input_ids):
-            raise InvalidRequest(f"input_ids must be token ids in [0, {vocab})", param="input_ids")
-        if n >= self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens; the prompt has {n} tokens "
-                "and no room is left for generation.", param="prompt")
-        requested = req.sampling_params.max_new_tokens
-        if requested is None:
-            req.max_new_tokens = self.context_length - n
-        elif n + requested > self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
-                f"{n + requested} tokens ({n} in the prompt, {requested} for the completion).", param="max_tokens")
-        else:
-            req.max_new_tokens = requested
-        if n + req.max_new_tokens > self.kv_pool.size:
-            raise InvalidRequest(f"the request needs up to {n + req.max_new_tokens} KV cache slots but the cache "
-                                 f"holds {self.kv_pool.size}; lower max_new_tokens", param="max_tokens")
+        req.max_new_tokens = check_request_limits(req.input_ids, req.sampling_params.max_new_tokens,
+                                                  self.context_length, self.kv_pool.size, self.runner.vocab_size)
 
     def abort(self, rid: str, notify: bool = True) -> bool:
         """Stop a request wherever it is; its slots and locks are returned at once. With `notify`, the next
@@ -405,6 +385,11 @@ class Scheduler:
         out = TokenOutput(rid=r.rid, new_ids=new_ids, prompt_tokens=len(r.input_ids),
                           completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
                           finished_reason=r.finished_reason, output_logprobs=lp, output_top_logprobs=top)
+        if not r.detok_sent:
+            p = r.sampling_params
+            out.detok = {"skip_special_tokens": p.skip_special_tokens, "stop": p.stop, "no_stop_trim": p.no_stop_trim,
+                         "spaces_between_special_tokens": p.spaces_between_special_tokens}
+            r.detok_sent = True
         if r.input_token_logprobs and not r.input_logprobs_sent:
             out.input_logprobs = r.input_token_logprobs
             r.input_logprobs_sent = True

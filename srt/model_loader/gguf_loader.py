@@ -5,6 +5,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,22 +120,28 @@ class GGUFCheckpoint:
             yield name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
 
     def load_tokenizer(self):
-        """transformers builds a tokenizer from GGUF metadata slowly (~10 s), so we convert once and cache it."""
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_dir())
+
+    def tokenizer_dir(self) -> Path:
+        """transformers builds a tokenizer from GGUF metadata slowly (~10 s), so we convert once and keep the
+        result as an ordinary tokenizer directory in the cache."""
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         st = self.path.stat()
         key = hashlib.sha1(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
         target = cache_dir() / "tokenizers" / key
         if (target / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(target)
+            return target
         tok = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         tmp = target.with_name(f"{key}.tmp{os.getpid()}")
         tok.save_pretrained(tmp)
         try:
             os.replace(tmp, target)
         except OSError:  # another process won the race; its copy is identical
-            pass
-        return tok
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -20,6 +20,25 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class ResolvedModel:
+    """Where a model's files are, found once by the launching process and handed to its children."""
+
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    config: ModelConfig
+
+
+def resolve_model(model_path: str | None, tokenizer_path: str | None = None,
+                  served_model_name: str | None = None, load_format: str = "auto") -> ResolvedModel:
+    """Download the default model if needed and make sure a plain tokenizer directory exists."""
+    ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
+    if tokenizer_path is None:
+        tokenizer_path = str(ckpt.tokenizer_dir() if isinstance(ckpt, GGUFCheckpoint) else ckpt.path)
+    return ResolvedModel(resolved, tokenizer_path, served_model_name or name, ckpt.config)
+
+
+@dataclass
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
