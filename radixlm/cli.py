@@ -42,12 +42,21 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _serve(argv: list[str]) -> int:
+    from radixlm.srt.entrypoints.launch import main as serve_main
+
+    serve_main(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": _generate}
+    commands = {"generate": _generate, "serve": _serve}
     if not argv or argv[0] not in commands:
-        print("usage: radixlm {generate} ...\n  generate PROMPT   answer one prompt with the model "
-              "(default: the embedded SmolLM2-135M-Instruct)", file=sys.stderr)
+        print("usage: radixlm {serve,generate} ...\n"
+              "  serve             start the OpenAI-compatible HTTP server (see `radixlm serve --help`)\n"
+              "  generate PROMPT   answer one prompt (default model: the embedded SmolLM2-135M-Instruct)",
+              file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

@@ -27,6 +27,8 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(None, "require this bearer key on every route but /health")
+    max_queued_requests: int | None = _opt(None, "answer 503 while this many requests are in flight (default: no limit)")
+    max_request_body_mb: float = _opt(8.0, "largest accepted HTTP request body, in MiB (larger: 413)")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     # Memory and scheduling
     tp_size: int = _opt(1, "tensor parallel size")
@@ -46,7 +48,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.tp_size != 1:
             raise ValueError("tp_size: only 1 is supported so far")
-        for name in ("max_total_tokens", "max_running_requests"):
+        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

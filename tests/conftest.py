@@ -28,3 +28,13 @@ def tiny_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_checkpoint(root / arch, arch, tie=arch == "qwen3") for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One launched server (default model) shared by the HTTP test files; must shut down cleanly."""
+    from tests.helpers import ServerProcess
+
+    srv = ServerProcess("--max-total-tokens", "20000")
+    yield srv
+    assert srv.stop() == 0

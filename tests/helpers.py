@@ -95,3 +95,54 @@ def hf_logits(model_dir, ids: list[int], dtype=torch.float32, device="cpu", gguf
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
+
+
+class ServerProcess:
+    """`python -m radixlm.launch_server` as a real subprocess on a free port; waits for /health."""
+
+    def __init__(self, *args: str, env: dict | None = None, timeout: float = 180):
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port), "--log-level", "warning", *args]
+        self.log = open(os.devnull, "w") if os.environ.get("RADIXLM_TEST_QUIET") else None
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.proc.kill()
+        raise RuntimeError("server did not become healthy in time")
+
+    def stop(self, timeout: float = 30) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False

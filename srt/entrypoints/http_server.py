@@ -1,0 +1,224 @@
+"""The FastAPI app: native routes (/generate, /health, ...), the OpenAI routes, auth, limits and error bodies.
+
+Every error leaves as an OpenAI-shaped body {"error": {"message", "type", "param", "code"}}.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixlm.srt.entrypoints.openai.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
+                                                     GenerateRequest)
+from radixlm.srt.entrypoints.openai.serving import (SSE_DONE, JSONResponse, OpenAIServing, RequestFailed,
+                                                    raise_if_failed, sse)
+from radixlm.srt.errors import InvalidRequest, RadixLMError
+from radixlm.srt.managers.request_prep import (PreparedInput, check_logprob_args, normalize_inputs,
+                                               per_prompt_params)
+from radixlm.srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+class _HTTPError(RadixLMError):
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
+        super().__init__(message, param)
+        self.status, self.type, self.code = status, type_, code
+
+
+def error_response(err: RadixLMError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status)
+
+
+async def read_json(request: Request, limit: int):
+    """The body as JSON: 413 past `limit` bytes, 400 for bytes that are not UTF-8, 422 for broken JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _HTTPError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes",
+                         "invalid_request_error", "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _HTTPError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
+                             "request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # orjson refuses lone surrogate escapes; the stdlib parses them and validation rejects them by field
+        return json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _HTTPError(400, "request body is not valid UTF-8", "invalid_request_error", "invalid_encoding") from None
+    except json.JSONDecodeError as e:
+        raise _HTTPError(422, f"malformed JSON body: {e}", "invalid_request_error", "malformed_json") from None
+
+
+def parse(model: type[BaseModel], data) -> BaseModel:
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body must be a JSON object", param=None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"{loc}: {err['msg']}", param=loc or None) from None
+
+
+def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, model_path: str,
+               children_alive: Callable[[], bool], lifespan=None) -> FastAPI:
+    app = FastAPI(title="radixlm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    openai = OpenAIServing(tm, served_model_name, model_path)
+    limit = int(args.max_request_body_mb * (1 << 20))
+    metrics = tm.metrics
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        if args.api_key and path != "/health":
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {args.api_key}" and request.headers.get("x-api-key") != args.api_key:
+                response = error_response(_HTTPError(401, "invalid or missing API key", "authentication_error",
+                                                     "invalid_api_key"))
+                metrics.http(path, 401)
+                return response
+        response = await call_next(request)
+        metrics.http(path if response.status_code != 404 else "unknown", response.status_code)
+        return response
+
+    @app.exception_handler(RadixLMError)
+    async def radix_error(_request, exc: RadixLMError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(_HTTPError(exc.status_code, str(exc.detail), kind, kind if exc.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def crash(_request, exc: Exception):
+        logger.exception("unhandled error")
+        return error_response(_HTTPError(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error"))
+
+    # --- health and info -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if tm.dead or not children_alive():
+            return error_response(ServiceUnavailable(tm.dead or "a server process is not running"))
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request):
+        if tm.dead or not children_alive():
+            return error_response(ServiceUnavailable(tm.dead or "a server process is not running"))
+        params = per_prompt_params({"max_new_tokens": 1, "temperature": 0}, 1)[0]
+        states = tm.submit([PreparedInput([tm.eos_ids[0] if tm.eos_ids else 0], None, params)])
+        try:
+            await asyncio.wait_for(tm.wait(states, request), timeout=30)
+            raise_if_failed(states)
+        except (asyncio.TimeoutError, RadixLMError) as e:
+            return error_response(ServiceUnavailable(f"generation check failed: {e or 'timeout'}"))
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": model_path, "served_model_name": served_model_name,
+                "tokenizer_path": info.get("tokenizer_path"), "is_generation": True,
+                "architecture": info["architecture"], "context_length": info["context_length"],
+                "vocab_size": info["vocab_size"], "dtype": info["dtype"], "device": info["device"]}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        stats = (await tm.control("get_stats")).payload
+        metrics.set_scheduler_stats(stats)
+        return {"server_args": asdict(args) | {"api_key": "***" if args.api_key else None},
+                "scheduler": stats, "max_total_tokens": info["max_total_tokens"],
+                "requests_in_flight": len(tm.states), "version": info.get("version"),
+                "process_ids": info.get("process_ids")}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        resp = await tm.control("flush_cache")
+        if not resp.ok:
+            raise _HTTPError(400, "cache not flushed: requests are running or waiting", "invalid_request_error",
+                             "requests_in_flight")
+        return {"success": True, "message": "Cache flushed."}
+
+    @app.get("/metrics")
+    async def prometheus():
+        try:
+            metrics.set_scheduler_stats((await tm.control("get_stats", timeout=2)).payload)
+        except ServiceUnavailable:
+            pass  # still export what this process knows
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        req = parse(AbortRequest, await read_json(request, limit))
+        rids = [r for r in list(tm.states) if r == req.rid or r.startswith(f"{req.rid}-")]
+        for rid in rids:
+            tm.abort(rid)
+        return {"success": bool(rids), "aborted": rids}
+
+    # --- native generation ---------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request):
+        req = parse(GenerateRequest, await read_json(request, limit))
+        prompts, batched = normalize_inputs(req.text, req.input_ids)
+        params = per_prompt_params(req.sampling_params, len(prompts))
+        check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)
+        inputs = [PreparedInput(tm.tokenize(p), p, sp) if isinstance(p, str) else PreparedInput(list(p), None, sp)
+                  for p, sp in zip(prompts, params)]
+        rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(inputs)
+        if len(rids) != len(inputs):
+            raise InvalidRequest(f"got {len(rids)} rids for {len(inputs)} prompts", param="rid")
+        states = tm.submit(inputs, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                           logprob_start_len=req.logprob_start_len, stream=req.stream, rids=rids)
+        many = batched or len(states) > 1
+
+        def item(st):
+            out = {"text": st.text, "output_ids": st.output_ids, "meta_info": st.meta()}
+            if many:
+                out["index"] = st.index
+            return out
+
+        if req.stream:
+            async def events():
+                async for st, out in tm.updates(states):
+                    if (st.finish_reason or {}).get("status_code"):
+                        yield sse(RequestFailed(st.finish_reason).to_dict())
+                    elif out.delta or out.finished_reason or out.new_ids:
+                        yield sse(item(st))
+                yield SSE_DONE
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        await tm.wait(states, request)
+        raise_if_failed(states)
+        return JSONResponse([item(s) for s in states] if many else item(states[0]))
+
+    # --- OpenAI ----------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        return openai.models()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await openai.completions(parse(CompletionRequest, await read_json(request, limit)), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await openai.chat(parse(ChatCompletionRequest, await read_json(request, limit)), request)
+
+    app.state.started = time.time()
+    return app

@@ -1,0 +1,54 @@
+"""The detokenizer process: token ids from the scheduler in, text deltas to the tokenizer manager out."""
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
+from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput, StrOutput
+from radixlm.srt.model_loader.hf_loader import load_tokenizer
+from radixlm.srt.utils import configure_logging, die_with_parent, parent_alive
+
+logger = logging.getLogger(__name__)
+
+
+def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict, parent_pid: int, ready) -> None:
+    die_with_parent()
+    configure_logging(log_level, "[detokenizer] ")
+    try:
+        detok = IncrementalDetokenizer(load_tokenizer(tokenizer_path))
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(endpoints["detokenizer"])
+        send = ctx.socket(zmq.PUSH)
+        send.connect(endpoints["tokenizer"])
+    except Exception as e:
+        ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+    ready.send({"status": "ready"})
+    decoder = msgspec.msgpack.Decoder(BatchTokenOutput)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        while True:
+            if not recv.poll(500):
+                if not parent_alive(parent_pid):
+                    return
+                continue
+            batch = decoder.decode(recv.recv())
+            for out in batch.outputs:
+                if out.detok is not None and out.rid not in detok.states:
+                    detok.register(out.rid, **out.detok)
+            items = [StrOutput(rid=d.rid, delta=d.delta, new_ids=d.out.new_ids, prompt_tokens=d.out.prompt_tokens,
+                               completion_tokens=d.out.completion_tokens, cached_tokens=d.out.cached_tokens,
+                               finished_reason=d.out.finished_reason, input_logprobs=d.out.input_logprobs,
+                               output_logprobs=d.out.output_logprobs, output_top_logprobs=d.out.output_top_logprobs)
+                     for d in detok.process(batch.outputs)]
+            if items:
+                send.send(encoder.encode(BatchStrOutput(items)))
+    except Exception:
+        logger.error("detokenizer crashed:\n%s", traceback.format_exc())
+        sys.exit(1)

@@ -1,0 +1,122 @@
+"""The scheduler process: the scheduler core in a ZMQ loop (one per GPU rank)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from radixlm.srt.errors import RadixLMError
+from radixlm.srt.managers.io_struct import (AbortReq, BatchTokenOutput, ControlReq, ControlResp, GenerateReq,
+                                            SchedulerIn, TokenOutput)
+from radixlm.srt.managers.req import Req
+from radixlm.srt.managers.request_prep import stop_token_ids
+from radixlm.srt.managers.scheduler import Scheduler
+from radixlm.srt.model_executor.model_runner import ModelRunner
+from radixlm.srt.model_loader.loader import load_model
+from radixlm.srt.sampling.sampling_params import SamplingParams
+from radixlm.srt.server_args import ServerArgs
+from radixlm.srt.utils import configure_logging, die_with_parent, parent_alive
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500  # how often an idle scheduler wakes to check that its parent is still there
+
+
+def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str, endpoints: dict,
+                          parent_pid: int, ready) -> None:
+    die_with_parent()
+    configure_logging(args.log_level, "[scheduler] ")
+    try:
+        loaded = load_model(model_path, tokenizer_path=tokenizer_path, dtype=args.dtype, device=args.device,
+                            context_length=args.context_length, served_model_name=args.served_model_name,
+                            load_format=args.load_format)
+        runner = ModelRunner(loaded, args)
+        scheduler = Scheduler(runner, loaded.tokenizer, args)
+    except Exception as e:  # report why, then exit non-zero: the launcher shows the message
+        ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        sys.exit(1)
+    loop = SchedulerLoop(scheduler, loaded, endpoints, parent_pid)
+    ready.send({"status": "ready", "context_length": runner.context_length, "max_total_tokens": runner.max_total_tokens,
+                "max_running_requests": runner.max_running_requests, "vocab_size": runner.vocab_size,
+                "eos_token_ids": loaded.config.eos_token_ids, "device": str(runner.device), "dtype": str(runner.dtype),
+                "architecture": loaded.config.architecture, "load_seconds": loaded.load_seconds, "pid": os.getpid()})
+    try:
+        loop.run()
+    except Exception:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        sys.exit(1)
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, loaded, endpoints: dict, parent_pid: int):
+        self.scheduler = scheduler
+        self.eos_ids = loaded.config.eos_token_ids
+        self.parent_pid = parent_pid
+        ctx = zmq.Context()
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(endpoints["scheduler"])
+        self.to_detok = ctx.socket(zmq.PUSH)
+        self.to_detok.connect(endpoints["detokenizer"])
+        self.to_tokenizer = ctx.socket(zmq.PUSH)
+        self.to_tokenizer.connect(endpoints["tokenizer"])
+        self.decoder = msgspec.msgpack.Decoder(SchedulerIn)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.scheduler.has_work()
+            if self.recv.poll(0 if busy else _IDLE_POLL_MS):
+                self._drain()
+            if not busy and not parent_alive(self.parent_pid):
+                logger.warning("launcher is gone; scheduler exits")
+                return
+            if self.scheduler.has_work():
+                outputs = self.scheduler.step()
+                if outputs:
+                    self.to_detok.send(self.encoder.encode(BatchTokenOutput(outputs)))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                raw = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.decoder.decode(raw)
+            if isinstance(msg, GenerateReq):
+                self._add(msg)
+            elif isinstance(msg, AbortReq):
+                self.scheduler.abort(msg.rid)
+            elif isinstance(msg, ControlReq):
+                self._control(msg)
+
+    def _add(self, msg: GenerateReq) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            req = Req(rid=msg.rid, input_ids=msg.input_ids, sampling_params=params, seed=msg.seed,
+                      stop_token_ids=stop_token_ids(params, self.eos_ids), return_logprob=msg.return_logprob,
+                      top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
+                      stream=msg.stream)
+            self.scheduler.add(req)
+        except RadixLMError as e:  # the tokenizer manager checks first; this is the backstop
+            reason = {"type": "abort", "message": e.message, "status_code": e.status, "param": e.param}
+            out = TokenOutput(rid=msg.rid, new_ids=[], prompt_tokens=len(msg.input_ids), completion_tokens=0,
+                              cached_tokens=0, finished_reason=reason, detok={})
+            self.to_detok.send(self.encoder.encode(BatchTokenOutput([out])))
+
+    def _control(self, msg: ControlReq) -> None:
+        if msg.kind == "flush_cache":
+            resp = ControlResp(msg.id, self.scheduler.flush_cache())
+        elif msg.kind == "get_stats":
+            resp = ControlResp(msg.id, True, self.scheduler.get_stats())
+        elif msg.kind == "shutdown":
+            self.running = False
+            resp = ControlResp(msg.id, True)
+        else:
+            resp = ControlResp(msg.id, False, f"unknown control request {msg.kind!r}")
+        self.to_tokenizer.send(self.encoder.encode(resp))

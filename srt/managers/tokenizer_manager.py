@@ -1,0 +1,262 @@
+"""The tokenizer manager: lives in the HTTP process. Validates and tokenizes requests, sends them to the
+scheduler, and keeps one state (and an update queue per submission) for every request in flight."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
+from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, StrOutput,
+                                            TokenizerIn)
+from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand
+from radixlm.srt.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+_DISCONNECT_CHECK_S = 0.5  # how often a waiting non-streaming handler checks that its client is still there
+
+
+class ServiceUnavailable(RadixLMError):
+    status = 503
+    type = "service_unavailable"
+    code = "service_unavailable"
+
+
+@dataclass(eq=False)
+class ReqState:
+    rid: str
+    index: int  # position within its submission: prompt-major, then sample
+    prompt_index: int
+    input_ids: list[int]
+    prompt_text: str | None
+    queue: asyncio.Queue  # shared by every request of one submission
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    input_logprobs: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def meta(self) -> dict:
+        m = {"id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+             "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+             "e2e_latency": (self.last_token_at or time.perf_counter()) - self.created}
+        if self.output_logprobs:
+            m["output_token_logprobs"] = self.output_logprobs
+        if self.output_top_logprobs:
+            m["output_top_logprobs"] = self.output_top_logprobs
+        if self.input_logprobs:
+            m["input_token_logprobs"] = self.input_logprobs
+        return m
+
+
+class TokenizerManager:
+    def __init__(self, args, tokenizer, info: dict, endpoints: dict, metrics: Metrics):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.info = info
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.context_length = info["context_length"]
+        self.kv_size = info["max_total_tokens"]
+        self.vocab_size = info["vocab_size"]
+        self.eos_ids = info["eos_token_ids"]
+        self.states: dict[str, ReqState] = {}
+        self.dead: str | None = None  # why the server can no longer serve, once a child died
+        self._rng = random.Random(args.random_seed)
+        self._control_ids = itertools.count()
+        self._control_waiters: dict[int, asyncio.Future] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+
+    async def start(self) -> None:
+        ctx = zmq.asyncio.Context()
+        self.to_scheduler = ctx.socket(zmq.PUSH)
+        self.to_scheduler.connect(self.endpoints["scheduler"])
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(self.endpoints["tokenizer"])
+        self._recv_task = asyncio.create_task(self._recv_loop())
+
+    # --- submission ------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        check_text(prompt, "prompt")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def submit(self, inputs: list[PreparedInput], *, return_logprob: bool = False, top_logprobs_num: int = 0,
+               logprob_start_len: int = -1, stream: bool = False, rids: list[str | None] | None = None
+               ) -> list[ReqState]:
+        """Validate everything first (all or nothing), then send one request per prompt and sample."""
+        if self.dead:
+            raise ServiceUnavailable(f"the server cannot serve requests: {self.dead}")
+        rids = rids or [None] * len(inputs)
+        reqs = []
+        for i, (prepared, rid) in enumerate(zip(inputs, rids)):
+            if rid is not None and (not isinstance(rid, str) or not rid):
+                raise InvalidRequest("rid must be a non-empty string", param="rid")
+            check_request_limits(prepared.input_ids, prepared.params.max_new_tokens, self.context_length,
+                                 self.kv_size, self.vocab_size)
+            for r in expand(prepared, rid=rid, eos_ids=self.eos_ids, rng=self._rng, return_logprob=return_logprob,
+                            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream):
+                reqs.append((i, prepared, r))
+        clash = [r.rid for _, _, r in reqs if r.rid in self.states]
+        if clash or len({r.rid for _, _, r in reqs}) != len(reqs):
+            raise InvalidRequest(f"request id {(clash or [reqs[0][2].rid])[0]!r} is already in use", param="rid")
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.states) + len(reqs) > limit:
+            raise Overloaded(f"the server has {len(self.states)} requests in flight (limit {limit}); retry later")
+        queue: asyncio.Queue = asyncio.Queue()
+        states = []
+        for index, (i, prepared, r) in enumerate(reqs):
+            st = ReqState(rid=r.rid, index=index, prompt_index=i, input_ids=r.input_ids,
+                          prompt_text=prepared.text, queue=queue)
+            self.states[r.rid] = st
+            states.append(st)
+            self.to_scheduler.send(self._encoder.encode(GenerateReq(
+                rid=r.rid, input_ids=r.input_ids, sampling_params=r.sampling_params.to_dict(), seed=r.seed,
+                return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num,
+                logprob_start_len=r.logprob_start_len, stream=stream)))
+        self.metrics.requests_in_flight.set(len(self.states))
+        return states
+
+    async def updates(self, states: list[ReqState], request=None) -> AsyncIterator[tuple[ReqState, StrOutput]]:
+        """Every update of these requests in arrival order, until all finish. If the consumer stops early (a
+        client disconnect cancels it) or the client goes away, the unfinished ones are aborted."""
+        if not states:
+            return
+        queue = states[0].queue
+        pending = {s.rid for s in states if not s.finished}
+        try:
+            while pending:
+                try:
+                    st, out = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_CHECK_S)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        logger.info("client disconnected; aborting %d request(s)", len(pending))
+                        return
+                    continue
+                if st.finished:
+                    pending.discard(st.rid)
+                yield st, out
+        finally:
+            for rid in pending:
+                self.abort(rid)
+
+    async def wait(self, states: list[ReqState], request=None) -> None:
+        async for _ in self.updates(states, request):
+            pass
+        unfinished = [s for s in states if not s.finished]
+        if unfinished:
+            raise asyncio.CancelledError("client disconnected")
+
+    def abort(self, rid: str) -> None:
+        """Stop a request in the scheduler and finish it here at once (anyone waiting on it gets the end)."""
+        st = self.states.pop(rid, None)
+        if st is None:
+            return
+        self.to_scheduler.send(self._encoder.encode(AbortReq(rid)))
+        st.finish_reason = {"type": "abort", "message": "request aborted"}
+        st.last_token_at = st.last_token_at or time.perf_counter()
+        self.metrics.on_finish(st, st.last_token_at)
+        self.metrics.requests_in_flight.set(len(self.states))
+        st.queue.put_nowait((st, StrOutput(rid, "", [], st.prompt_tokens, st.completion_tokens, st.cached_tokens,
+                                           st.finish_reason)))
+
+    # --- control ---------------------------------------------------------------------------------------
+    async def control(self, kind: str, timeout: float = 10.0):
+        if self.dead:
+            raise ServiceUnavailable(f"the server cannot serve requests: {self.dead}")
+        cid = next(self._control_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._control_waiters[cid] = fut
+        self.to_scheduler.send(self._encoder.encode(ControlReq(cid, kind)))
+        try:
+            resp: ControlResp = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailable(f"the scheduler did not answer {kind!r} within {timeout:.0f} s") from None
+        finally:
+            self._control_waiters.pop(cid, None)
+        return resp
+
+    def fail_all(self, reason: str) -> None:
+        """A child died: finish every request in flight with an error instead of leaving it hanging."""
+        self.dead = reason
+        for st in list(self.states.values()):
+            st.finish_reason = {"type": "abort", "message": reason, "status_code": 503}
+            st.queue.put_nowait((st, StrOutput(st.rid, "", [], st.prompt_tokens, st.completion_tokens,
+                                               st.cached_tokens, st.finish_reason)))
+        self.states.clear()
+        for fut in self._control_waiters.values():
+            if not fut.done():
+                fut.set_exception(ServiceUnavailable(reason))
+
+    # --- receiving ---------------------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(TokenizerIn)
+        while True:
+            msg = decoder.decode(await self.recv.recv())
+            if isinstance(msg, ControlResp):
+                fut = self._control_waiters.get(msg.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+                continue
+            self._handle_batch(msg)
+
+    def _handle_batch(self, batch: BatchStrOutput) -> None:
+        now = time.perf_counter()
+        for out in batch.outputs:
+            st = self.states.get(out.rid)
+            if st is None:  # aborted by us already
+                continue
+            st.text += out.delta
+            st.output_ids += out.new_ids
+            st.prompt_tokens, st.completion_tokens, st.cached_tokens = (out.prompt_tokens, out.completion_tokens,
+                                                                        out.cached_tokens)
+            if out.input_logprobs:
+                st.input_logprobs = list(out.input_logprobs)
+            if out.output_logprobs:
+                st.output_logprobs += out.output_logprobs
+            if out.output_top_logprobs:
+                st.output_top_logprobs += out.output_top_logprobs
+            if out.new_ids:
+                if st.first_token_at is None:
+                    st.first_token_at = now
+                    self.metrics.ttft.observe(now - st.created)
+                elif st.last_token_at is not None:
+                    self.metrics.itl.observe((now - st.last_token_at) / len(out.new_ids))
+                st.last_token_at = now
+                self.metrics.generation_tokens.inc(len(out.new_ids))
+            if out.finished_reason is not None:
+                st.finish_reason = out.finished_reason
+                st.last_token_at = st.last_token_at or now
+                del self.states[out.rid]
+                self.metrics.on_finish(st, now)
+                self.metrics.requests_in_flight.set(len(self.states))
+            st.queue.put_nowait((st, out))
+
+
+def check_text(text: str, param: str) -> None:
+    """Lone surrogates (from JSON escapes like \\ud800) cannot be tokenized: reject them by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{param} contains invalid Unicode (a lone surrogate)", param=param) from None

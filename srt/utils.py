@@ -1,0 +1,33 @@
+"""Small process helpers shared by the server's processes."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+
+
+def configure_logging(level: str, prefix: str = "") -> None:
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
+                        force=True)
+
+
+def die_with_parent() -> None:
+    """Children of the server get SIGKILL if the launching process dies, so no orphan outlives it; they ignore
+    SIGINT (a terminal's Ctrl-C reaches the whole group) and leave shutdown to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm otherwise creates a multiprocessing lock (a named semaphore) that a terminated child leaves behind.
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid

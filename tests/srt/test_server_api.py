@@ -1,0 +1,187 @@
+"""The launched server (real processes, ZMQ, HTTP) through the official openai client and raw HTTP."""
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _server_info(server):
+    return httpx.get(f"{server.url}/get_server_info", timeout=10).json()
+
+
+def _wait_idle(server, timeout=15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = _server_info(server)["scheduler"]
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"server still busy: {s}")
+
+
+def test_models_and_info(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+    info = httpx.get(f"{server.url}/get_model_info").json()
+    assert info["context_length"] == 8192 and info["architecture"] == "LlamaForCausalLM"
+    assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+
+
+def test_chat_completion_answers(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 20 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_and_streaming_match(client):
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="The three primary colors are", temperature=0, max_tokens=20)
+    full = client.completions.create(**kw)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 20
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    full = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
+                                          temperature=0, max_tokens=30)
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0,
+                                            max_tokens=30, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_samples_and_seed(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, n=3, temperature=1.0,
+                                       max_tokens=12, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1
+    again = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, n=3, temperature=1.0,
+                                           max_tokens=12, seed=5)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=6,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        assert tok.top_logprobs[0].token == tok.token  # greedy takes the most likely token
+    c = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello, my name is", temperature=0,
+                                  max_tokens=5, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == c.choices[0].text
+
+
+def test_cached_tokens_on_repeated_prompt(client):
+    msgs = [{"role": "system", "content": "You are a terse assistant. " * 10}, *CHAT]
+    first = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, temperature=0, max_tokens=4)
+    second = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, temperature=0, max_tokens=4)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0.9 * second.usage.prompt_tokens
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+def test_native_generate(server):
+    r = httpx.post(f"{server.url}/generate", json={"text": "The capital of France is",
+                                                   "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+                   timeout=60)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) == 8
+    batch = httpx.post(f"{server.url}/generate", json={"text": ["Hi", "Bye"],
+                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 3}},
+                       timeout=60).json()
+    assert [b["index"] for b in batch] == [0, 1]
+    with httpx.stream("POST", f"{server.url}/generate", json={"input_ids": [504, 3575, 282, 4649, 314], "stream": True,
+                                                              "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+                      timeout=60) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 8
+
+
+def test_64_concurrent_streaming_chats(server, client):
+    topics = ["cats", "the sea", "Paris", "music", "rain", "bread", "trains", "snow",
+              "the moon", "coffee", "chess", "forests", "rivers", "robots", "gold", "tea"]
+    prompts = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
+    reference = {}
+    with cf.ThreadPoolExecutor(16) as pool:
+        for t, r in zip(topics, pool.map(lambda m: client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=m, temperature=0, max_tokens=16), prompts)):
+            reference[t] = r.choices[0].message.content
+
+    def stream(i):
+        s = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=prompts[i % 16], temperature=0,
+                                           max_tokens=16, stream=True)
+        return topics[i % 16], "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+
+    with cf.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(stream, range(64)))
+    assert len(results) == 64
+    for topic, text in results:
+        assert text == reference[topic], topic
+    assert len(set(reference.values())) == 16
+
+
+def test_disconnected_streams_are_aborted(server):
+    body = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0.7, "stream": True}
+
+    def cut():
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got += 1
+                if got >= 4:
+                    return got  # leaving the block closes the connection mid-generation
+
+    with cf.ThreadPoolExecutor(20) as pool:
+        assert all(n >= 4 for n in pool.map(lambda _: cut(), range(20)))
+    stats = _wait_idle(server)
+    assert stats["num_running"] == 0
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
+    stats = _server_info(server)["scheduler"]
+    assert stats["kv_free"] == stats["kv_total"]
+    assert stats["aborted_requests"] >= 20
+
+
+def test_abort_request_endpoint(server):
+    body = {"text": "Count forever:", "rid": "to-abort",
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(f"{server.url}/generate", json=body,
+                                                                          timeout=120)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if httpx.post(f"{server.url}/abort_request", json={"rid": "to-abort"}).json()["success"]:
+            break
+        time.sleep(0.1)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    _wait_idle(server)
