@@ -48,6 +48,7 @@ class SamplingBatchInfo:
     need_min_p: bool
     penalties: PenaltyInfo | None = None
     banned: torch.Tensor | None = None  # [B, V] bool: tokens forbidden this step (min_new_tokens)
+    bias: torch.Tensor | None = None  # [B, V] float added to the logits (logit_bias)
     top_logprobs_num: int = 0
     return_logprob: bool = False
 
@@ -70,6 +71,8 @@ class Sampler:
         raw = logits
         if info.penalties is not None:
             logits = apply_penalties(logits, info.penalties)
+        if info.bias is not None:
+            logits = logits + info.bias
         if info.banned is not None:
             logits = logits.masked_fill(info.banned, float("-inf"))
         greedy_ids = logits.argmax(-1)

@@ -38,6 +38,13 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
         for i, ids in banned:
             mask[i, [t for t in ids if t < vocab_size]] = True
         info.banned = mask.to(device, non_blocking=True)
+    biased = [(i, p.logit_bias) for i, p in enumerate(ps) if p.logit_bias]
+    if biased:
+        bias = torch.zeros(len(reqs), vocab_size)
+        for i, b in biased:
+            ids = [t for t in b if t < vocab_size]
+            bias[i, ids] = torch.tensor([b[t] for t in ids])
+        info.bias = bias.to(device, non_blocking=True)
     return info
 
 

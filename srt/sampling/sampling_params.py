@@ -42,6 +42,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -84,6 +85,15 @@ class SamplingParams:
                "stop_token_ids", "must be a list of non-negative integers")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+                _check(_is_int(tid) and tid >= 0, "logit_bias", f"keys must be token ids, got {k!r}")
+                _check(_is_num(v) and -100 <= v <= 100, "logit_bias", f"values must be in [-100, 100], got {v!r}")
+                bias[tid] = float(v)
+            self.logit_bias = bias or None
         if self.top_k == 0:
             self.top_k = -1
 

@@ -82,14 +82,13 @@ class OpenAIServing:
                                 param="model")
 
     def _params(self, req, max_tokens: int | None) -> SamplingParams:
-        if req.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         d = {"max_new_tokens": max_tokens, "n": req.n, "stop": req.stop if req.stop is not None else [],
              "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
              "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
              "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
              "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids,
-             "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed}
+             "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed,
+             "logit_bias": req.logit_bias}
         try:
             return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None or k == "max_new_tokens"})
         except InvalidRequest as e:  # speak the OpenAI field names back to the client

@@ -1,0 +1,197 @@
+"""Serving benchmark against any OpenAI-compatible endpoint (ours, llama.cpp's, vLLM's, SGLang's).
+
+Replays a dataset at a fixed request rate (Poisson arrivals) or as fast as a concurrency limit allows, streaming
+every response, and reports request throughput, token throughput, TTFT, inter-token latency and end-to-end
+latency (mean, p50, p90, p99) as JSON.
+
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:30000 --dataset random \\
+        --num-prompts 64 --input-len 256 --output-len 64 --max-concurrency 16 --out results/ours.json
+
+Prompts are text built from a fixed word list, so every server tokenizes the same input itself. Output lengths
+are fixed by banning the end-of-sequence token with `logit_bias` (a standard OpenAI field) rather than a
+server-specific `ignore_eos`, so all servers are asked for the same work.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+          "government company number group problem fact river mountain ocean forest city garden window table "
+          "music story letter energy system market family school country question answer history science light "
+          "stone bridge cloud winter summer morning evening dream voice color paper animal planet engine").split()
+
+
+@dataclass
+class RequestSpec:
+    prompt: str
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def make_dataset(args) -> list[RequestSpec]:
+    rng = random.Random(args.seed)
+    lo = lambda n: max(1, int(n * args.range_ratio))  # noqa: E731
+    if args.dataset == "random":
+        return [RequestSpec(words(rng, rng.randint(lo(args.input_len), args.input_len)),
+                            rng.randint(lo(args.output_len), args.output_len)) for _ in range(args.num_prompts)]
+    # shared-prefix: groups share a long system prompt, each request has its own question
+    systems = [f"System {g}: " + words(rng, args.system_len) for g in range(args.groups)]
+    specs = [RequestSpec(f"{systems[i % args.groups]}\nQuestion: {words(rng, args.input_len)}?\nAnswer:",
+                         args.output_len) for i in range(args.num_prompts)]
+    rng.shuffle(specs)
+    return specs
+
+
+async def one_request(client: httpx.AsyncClient, args, spec: RequestSpec) -> RequestResult:
+    body = {"model": args.model, "prompt": spec.prompt, "max_tokens": spec.output_len, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if args.eos_token_id is not None:
+        body["logit_bias"] = {str(args.eos_token_id): -100}
+    res = RequestResult()
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{args.base_url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = data["usage"].get("completion_tokens", 0)
+                if any(c.get("text") for c in data.get("choices") or []):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+        res.e2e = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = chunks > 0
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(specs) or 1)
+    sem = asyncio.Semaphore(args.max_concurrency or len(specs) or 1)
+    rng = random.Random(args.seed + 1)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        async def guarded(spec):
+            async with sem:
+                return await one_request(client, args, spec)
+
+        await one_request(client, args, RequestSpec("warm up", 4))  # first-use costs belong to no measurement
+        start = time.perf_counter()
+        tasks = []
+        for spec in specs:
+            tasks.append(asyncio.create_task(guarded(spec)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def wait_for_server(base_url: str, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            r = httpx.get(f"{base_url}/v1/models", timeout=5)
+            if r.status_code == 200:
+                return [m["id"] for m in r.json()["data"]]
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no OpenAI-compatible server answered at {base_url}")
+        time.sleep(0.5)
+
+
+def summarize(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))] * 1e3  # noqa: E731
+    return {"mean": statistics.mean(v) * 1e3, "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:30000")
+    ap.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    ap.add_argument("--label", default=None, help="name of this row in the report")
+    ap.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128, help="words per prompt (question, for shared-prefix)")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.5, help="random lengths are in [ratio*len, len]")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=512, help="words in each shared system prompt")
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--eos-token-id", type=int, default=2, help="banned via logit_bias; -1 to allow EOS")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wait", type=float, default=120, help="seconds to wait for the server to come up")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.eos_token_id is not None and args.eos_token_id < 0:
+        args.eos_token_id = None
+    models = wait_for_server(args.base_url, args.wait)
+    if args.model is None:
+        args.model = models[0]
+    specs = make_dataset(args)
+    results, duration = asyncio.run(run(args, specs))
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    report = {
+        "label": args.label or args.base_url, "config": vars(args) | {"request_rate": str(args.request_rate)},
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": sum(r.prompt_tokens for r in ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "ttft_ms": summarize([r.ttft for r in ok]),
+        "itl_ms": summarize([x for r in ok for x in r.itl]),
+        "e2e_ms": summarize([r.e2e for r in ok]),
+        "mean_output_tokens": out_tokens / max(len(ok), 1),
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
