@@ -114,10 +114,13 @@ def expand(prepared: PreparedInput, *, rid: str | None, eos_ids: list[int], rng:
     return reqs
 
 
-def check_request_limits(input_ids: list[int], requested: int | None, context_length: int, kv_size: int,
+def check_request_limits(input_ids: list[int], params: SamplingParams, context_length: int, kv_size: int,
                          vocab_size: int) -> int:
-    """Validate a prompt against the model and the KV cache; returns the resolved max_new_tokens."""
-    n = len(input_ids)
+    """Validate a prompt and its parameters against the model and the KV cache; returns the resolved
+    max_new_tokens."""
+    n, requested = len(input_ids), params.max_new_tokens
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab_size})", param="logit_bias")
     if n == 0:
         raise InvalidRequest("the prompt is empty", param="prompt")
     if any(not (_is_token(t) and 0 <= t < vocab_size) for t in input_ids):

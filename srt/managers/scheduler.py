@@ -78,7 +78,7 @@ class Scheduler:
 
     def validate(self, req: Req) -> None:
         """Check a request against the model and memory limits and resolve its max_new_tokens."""
-        req.max_new_tokens = check_request_limits(req.input_ids, req.sampling_params.max_new_tokens,
+        req.max_new_tokens = check_request_limits(req.input_ids, req.sampling_params,
                                                   self.context_length, self.kv_pool.size, self.runner.vocab_size)
 
     def abort(self, rid: str, notify: bool = True) -> bool:

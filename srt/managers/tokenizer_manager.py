@@ -113,7 +113,7 @@ class TokenizerManager:
         for i, (prepared, rid) in enumerate(zip(inputs, rids)):
             if rid is not None and (not isinstance(rid, str) or not rid):
                 raise InvalidRequest("rid must be a non-empty string", param="rid")
-            check_request_limits(prepared.input_ids, prepared.params.max_new_tokens, self.context_length,
+            check_request_limits(prepared.input_ids, prepared.params, self.context_length,
                                  self.kv_size, self.vocab_size)
             for r in expand(prepared, rid=rid, eos_ids=self.eos_ids, rng=self._rng, return_logprob=return_logprob,
                             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream):

@@ -109,6 +109,29 @@ def test_eos_and_ignore_eos(smol_engine):
     assert len(forced["output_ids"]) == n + 3
 
 
+def test_logit_bias_bans_and_forces_tokens(smol_engine):
+    base = smol_engine.generate("The capital of France is", GREEDY)["output_ids"]
+    banned = smol_engine.generate("The capital of France is",
+                                  {**GREEDY, "logit_bias": {str(base[0]): -100}})["output_ids"]
+    assert banned[0] != base[0] and base[0] not in banned
+    forced_id = smol_engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = smol_engine.generate("The capital of France is",
+                                  {"temperature": 0.7, "seed": 3, "max_new_tokens": 4, "logit_bias": {forced_id: 100}})
+    assert forced["output_ids"] == [forced_id] * 4
+    # a biased request batched with an unbiased one leaves the other's output alone
+    both = smol_engine.generate(["The capital of France is", "Water boils at"],
+                                [{**GREEDY, "logit_bias": {base[0]: -100}}, GREEDY])
+    assert both[0]["output_ids"] == banned
+    assert both[1]["output_ids"] == smol_engine.generate("Water boils at", GREEDY)["output_ids"]
+    with pytest.raises(InvalidRequest) as err:
+        smol_engine.generate("Hi", {**GREEDY, "logit_bias": {10**7: 5}})
+    assert err.value.param == "logit_bias"
+    for bad in ({"5": 101}, {"x": 1}, {-1: 1}, [1, 2]):
+        with pytest.raises(InvalidRequest, match="logit_bias"):
+            smol_engine.generate("Hi", {**GREEDY, "logit_bias": bad})
+    _idle_and_clean(smol_engine)
+
+
 def test_min_new_tokens_blocks_eos(smol_engine):
     chat = [{"role": "user", "content": "Say hi."}]
     short = smol_engine.chat(chat, {"temperature": 0, "max_new_tokens": 64})

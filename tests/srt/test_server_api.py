@@ -96,6 +96,21 @@ def test_logprobs(client):
     assert "".join(lp.tokens) == c.choices[0].text
 
 
+def test_logit_bias(server, client):
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
+    base = httpx.post(f"{server.url}/generate", json={"text": kw["prompt"], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 4}}, timeout=60).json()["output_ids"]
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(
+        **kw, logit_bias={"7": 0}).choices[0].text
+    banned = client.completions.create(**kw, logit_bias={str(base[0]): -100}, logprobs=1)
+    assert banned.choices[0].text != client.completions.create(**kw).choices[0].text
+    # +100 on one token makes it win under any prompt and temperature
+    a = client.completions.create(**kw, logit_bias={"28": 100})
+    b = client.completions.create(**{**kw, "prompt": "Once upon", "temperature": 1.0, "seed": 2},
+                                  logit_bias={"28": 100})
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 4
+
+
 def test_cached_tokens_on_repeated_prompt(client):
     msgs = [{"role": "system", "content": "You are a terse assistant. " * 10}, *CHAT]
     first = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, temperature=0, max_tokens=4)

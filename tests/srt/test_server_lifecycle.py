@@ -56,6 +56,8 @@ def test_bad_inputs_leave_a_running_stream_unharmed(server):
     assert _error(httpx.post(chat, json={**ok, "top_p": 0}), 400)["param"] == "top_p"
     assert _error(httpx.post(chat, json={**ok, "top_p": 1.5}), 400)["param"] == "top_p"
     assert _error(httpx.post(chat, json={**ok, "n": 0}), 400)["param"] == "n"
+    assert _error(httpx.post(chat, json={**ok, "logit_bias": {"5": 500}}), 400)["param"] == "logit_bias"
+    assert _error(httpx.post(comp, json={"prompt": "hi", "logit_bias": {"99999999": 1}}), 400)["param"] == "logit_bias"
     assert _error(httpx.post(chat, json={**ok, "messages": []}), 400)["param"] == "messages"
     _error(httpx.post(chat, json={**ok, "messages": [{"role": "wizard", "content": "hi"}]}), 400)
     _error(httpx.post(chat, content=b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', headers=headers), 400,
