@@ -31,20 +31,19 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
     )
     if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 for p in ps):
         info.penalties = _penalties(reqs, vocab_size, device)
-    banned = [(i, r.stop_token_ids) for i, r in enumerate(reqs)
-              if len(r.output_ids) < r.sampling_params.min_new_tokens and r.stop_token_ids]
+    # Sparse entries go to the device and are scattered there: a dense [B, V] host tensor per step would
+    # cost a memset and a transfer of B * V floats.
+    banned = [(i, t) for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling_params.min_new_tokens
+              for t in r.stop_token_ids if t < vocab_size]
     if banned:
-        mask = torch.zeros(len(reqs), vocab_size, dtype=torch.bool)
-        for i, ids in banned:
-            mask[i, [t for t in ids if t < vocab_size]] = True
-        info.banned = mask.to(device, non_blocking=True)
-    biased = [(i, p.logit_bias) for i, p in enumerate(ps) if p.logit_bias]
+        rows, cols = zip(*banned)
+        info.banned = torch.zeros(len(reqs), vocab_size, dtype=torch.bool, device=device)
+        info.banned[f(rows, torch.int64), f(cols, torch.int64)] = True
+    biased = [(i, t, v) for i, p in enumerate(ps) if p.logit_bias for t, v in p.logit_bias.items() if t < vocab_size]
     if biased:
-        bias = torch.zeros(len(reqs), vocab_size)
-        for i, b in biased:
-            ids = [t for t in b if t < vocab_size]
-            bias[i, ids] = torch.tensor([b[t] for t in ids])
-        info.bias = bias.to(device, non_blocking=True)
+        rows, cols, vals = zip(*biased)
+        info.bias = torch.zeros(len(reqs), vocab_size, device=device)
+        info.bias[f(rows, torch.int64), f(cols, torch.int64)] = f(vals)
     return info
 
 

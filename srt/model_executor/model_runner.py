@@ -31,7 +31,7 @@ def _mem_available_bytes() -> int:
 
 def create_attention_backend(name: str, device: torch.device):
     if name in ("auto", "torch_native"):
-        return TorchNativeAttnBackend()
+        return TorchNativeAttnBackend(device)
     raise ValueError(f"attention_backend {name!r} is not available yet; use torch_native")
 
 

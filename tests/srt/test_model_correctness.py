@@ -37,6 +37,20 @@ def test_prefix_in_two_extends_matches_one(tiny_dirs, arch):
         assert (parts - whole).abs().max().item() < 1e-4
 
 
+def test_attention_sliced_by_query_rows_matches(tiny_dirs, monkeypatch):
+    from radixlm.srt.layers.attention import torch_native
+    engine = radixlm.Engine(str(tiny_dirs["qwen2"]), log_level="warning", max_total_tokens=2048)
+    whole = forward_logits(engine, PROMPT_IDS, split=5)
+    # a budget of a few rows' scores forces many SDPA slices per layer
+    monkeypatch.setattr(torch_native, "_SCORE_BUDGET", 3 * 4 * len(PROMPT_IDS) * 4)
+    sliced = forward_logits(engine, PROMPT_IDS, split=5)
+    assert (sliced - whole).abs().max().item() < 1e-5
+    out = engine.generate(input_ids=PROMPT_IDS, sampling_params={"temperature": 0, "max_new_tokens": 8})
+    monkeypatch.undo()
+    assert out["output_ids"] == engine.generate(input_ids=PROMPT_IDS,
+                                                sampling_params={"temperature": 0, "max_new_tokens": 8})["output_ids"]
+
+
 def test_untied_sharded_bf16_checkpoint(tmp_path):
     d = make_tiny_checkpoint(tmp_path / "m", "llama", tie=False, dtype=torch.bfloat16, shards=3)
     assert (d / "model.safetensors.index.json").exists()

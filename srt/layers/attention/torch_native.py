@@ -12,7 +12,16 @@ from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 
 
+_SCORE_BUDGET = 1 << 30  # bytes of attention scores one SDPA call may materialize
+
+
 class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, device: torch.device | None = None):
+        if device is not None and device.type == "cuda":
+            # cuDNN's SDPA builds and caches a graph for every new KV length; decode changes that length every
+            # step, which made a step 2-3x slower on H100 until each length had been seen once.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.seq_lens.device
         max_kv = max(fb.seq_lens_cpu)
@@ -56,14 +65,29 @@ class TorchNativeAttnBackend(AttentionBackend):
         b, max_q = meta["q_idx"].shape
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, meta["q_idx"].view(-1))
         q_pad = q_pad.view(b, max_q, *q.shape[1:]).transpose(1, 2)  # [B, H, max_q, D]
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta["mask"], scale=layer.scaling,
-                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out = self._sdpa(q_pad, keys, values, meta["mask"], layer)
         return out.transpose(1, 2).reshape(b * max_q, -1).index_select(0, meta["out_idx"])
 
     def forward_decode(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
         meta = fb.attn_metadata
         fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta["kv_idx"], q.dtype)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=meta["mask"],
-                                             scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out = self._sdpa(q[:, :, None, :], keys, values, meta["mask"], layer)
         return out.reshape(q.shape[0], -1)
+
+    def _sdpa(self, q, keys, values, mask, layer) -> torch.Tensor:
+        """SDPA over query-row slices small enough that a kernel materializing the [B, H, q, kv] scores
+        (the math path) stays within _SCORE_BUDGET bytes; one slice in the common case."""
+        gqa = layer.num_heads != layer.num_kv_heads
+        if gqa and q.is_cuda:
+            # The memory-efficient CUDA kernel takes a mask but not enable_gqa; with both it falls back to
+            # the math path, whose scores for a long prefill run to many GiB.
+            groups = layer.num_heads // layer.num_kv_heads
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+            gqa = False
+        b, h, nq, _ = q.shape
+        rows = max(1, _SCORE_BUDGET // (b * h * keys.shape[2] * 4))
+        outs = [F.scaled_dot_product_attention(q[:, :, s:s + rows], keys, values, attn_mask=mask[:, :, s:s + rows],
+                                               scale=layer.scaling, enable_gqa=gqa)
+                for s in range(0, nq, rows)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

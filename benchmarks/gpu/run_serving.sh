@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Serving benchmark on a GPU machine: our server on the Llama-3.1-8B-shaped model with random bf16 weights,
+# driven by bench_serving.py (random and shared-prefix datasets), then a clean SIGINT shutdown.
+# Usage (device tool): source .gpu-bundle/activate && bash benchmarks/gpu/run_serving.sh TOKENIZER_DIR OUT_DIR
+set -u
+TOK=$1; OUT=$2; PORT=${PORT:-30000}
+python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
+    --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" > "$OUT/server.log" 2>&1 &
+SERVER=$!
+URL=http://127.0.0.1:$PORT
+for _ in $(seq 600); do  # fail fast if the server dies while loading
+    curl -sf $URL/health > /dev/null && break
+    kill -0 $SERVER 2> /dev/null || { echo "server died:"; tail -30 "$OUT/server.log"; exit 1; }
+    sleep 1
+done
+python benchmarks/bench_serving.py --base-url $URL --label warmup --num-prompts 16 --input-len 64 \
+    --output-len 8 --max-concurrency 16 --wait 5 --eos-token-id 128001 > /dev/null || { tail -30 "$OUT/server.log"; exit 1; }
+python benchmarks/bench_serving.py --base-url $URL --label random-c32 --dataset random --num-prompts 128 \
+    --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32.json" > /dev/null
+python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
+    --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
+python benchmarks/bench_serving.py --base-url $URL --label shared-prefix --dataset shared-prefix --groups 8 \
+    --num-prompts 128 --system-len 1500 --input-len 40 --output-len 64 --max-concurrency 64 --eos-token-id 128001 \
+    --out "$OUT/shared_prefix.json" > /dev/null
+curl -s $URL/get_server_info > "$OUT/server_info.json"
+kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
+python - "$OUT" <<'PY'
+import json, sys, pathlib
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*_c*.json")) + [pathlib.Path(sys.argv[1]) / "shared_prefix.json"]:
+    if f.exists():
+        d = json.loads(f.read_text())
+        print(f"{d['label']:>14} ok {d['completed']:>3} fail {d['failed']} req/s {d['request_throughput']:.2f} "
+              f"out tok/s {d['output_throughput']:.0f} TTFT mean {d['ttft_ms']['mean']:.0f} ms p99 "
+              f"{d['ttft_ms']['p99']:.0f} ITL mean {d['itl_ms']['mean']:.1f} ms p99 {d['itl_ms']['p99']:.1f}")
+PY
