@@ -6,6 +6,7 @@ the radix cache; when decode runs out of KV, the least advanced requests are ret
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +22,14 @@ from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+
+
+class BatchFailed(Exception):
+    """A batch failed on the device; `outputs` report its requests finished with an error."""
+
+    def __init__(self, outputs: list[TokenOutput]):
+        super().__init__(f"{len(outputs)} requests failed")
+        self.outputs = outputs
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on the decode growth one request is assumed to need at admission
 INIT_NEW_TOKEN_RATIO = 0.7  # assumed fraction of max_new_tokens a request will really generate
@@ -103,12 +112,12 @@ class Scheduler:
         start = time.perf_counter()
         outputs, self._outputs = self._outputs, []
         batch = self._schedule_extend()
-        if batch:
-            outputs += self._run_extend(batch)
-        elif self.running:
-            outputs += self._run_decode()
-        else:
+        if not batch and not self.running:
             return outputs
+        try:
+            outputs += self._run_extend(batch) if batch else self._run_decode()
+        except BatchFailed as e:
+            outputs += e.outputs
         self.stats.busy_seconds += time.perf_counter() - start
         return outputs
 
@@ -270,13 +279,15 @@ class Scheduler:
                                 req_pool_indices=[r.req_pool_idx for r in batch], seq_lens=seq_lens,
                                 out_cache_loc=slots, logits_indices=logits_rows or [offset - 1],
                                 extend_prefix_lens=prefix_lens, extend_seq_lens=[r.extend_len for r in batch])
-        logits = self.runner.forward(fb)
-        sampled = None
-        if sample_reqs:
-            rows = torch.tensor(sample_rows, device=logits.device)
-            sampled = self.runner.sample(logits[rows], sampling_info(sample_reqs, self.runner.vocab_size, logits.device))
-        if lp_rows:
-            self._collect_input_logprobs(logits, lp_rows, lp_next, lp_reqs)
+        with self._fail_batch_on_oom(batch, slots):
+            logits = self.runner.forward(fb)
+            sampled = None
+            if sample_reqs:
+                rows = torch.tensor(sample_rows, device=logits.device)
+                sampled = self.runner.sample(logits[rows],
+                                             sampling_info(sample_reqs, self.runner.vocab_size, logits.device))
+            if lp_rows:
+                self._collect_input_logprobs(logits, lp_rows, lp_next, lp_reqs)
         self.stats.extend_steps += 1
         self.stats.computed_prefill_tokens += total
         self.last_step = {"mode": "extend", "batch_size": len(batch), "tokens": total}
@@ -327,8 +338,9 @@ class Scheduler:
                                 positions=cols.tolist(), req_pool_indices=rows.tolist(),
                                 seq_lens=[r.kv_len + 1 for r in reqs], out_cache_loc=slots,
                                 logits_indices=list(range(n)))
-        logits = self.runner.forward(fb)
-        sampled = self.runner.sample(logits, sampling_info(reqs, self.runner.vocab_size, logits.device))
+        with self._fail_batch_on_oom(reqs, slots):
+            logits = self.runner.forward(fb)
+            sampled = self.runner.sample(logits, sampling_info(reqs, self.runner.vocab_size, logits.device))
         outputs = []
         for i, r in enumerate(reqs):
             r.kv_len += 1
@@ -340,6 +352,31 @@ class Scheduler:
         self.last_step = {"mode": "decode", "batch_size": n, "tokens": n}
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return outputs
+
+    @contextlib.contextmanager
+    def _fail_batch_on_oom(self, reqs: list[Req], slots: torch.Tensor):
+        """A batch that runs out of device memory fails its own requests (503) and frees what they held; the
+        scheduler and every other request go on."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            logger.error("out of device memory in a batch of %d requests; failing them: %s", len(reqs), e)
+            self.kv_pool.free(slots)  # this step's slots: not yet counted in any request's kv_len
+            outputs = []
+            for r in list(reqs):  # for a decode batch, `reqs` is self.running itself
+                if self.chunked is r:
+                    self.chunked = None
+                if r in self.running:
+                    self.running.remove(r)
+                self._free_kv(r)
+                r.finished_reason = {"type": "abort", "status_code": 503, "message":
+                                     "the server ran out of device memory running this request; retry it or "
+                                     "send a shorter one"}
+                self.stats.aborted_requests += 1
+                outputs.append(self._output(r, []))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise BatchFailed(outputs) from e
 
     def _make_decode_room(self) -> None:
         """Evict cached prefixes, then retract the least advanced requests, until every runner has a slot."""

@@ -220,6 +220,32 @@ def test_bad_prompts(smol_engine):
     _idle_and_clean(smol_engine)
 
 
+def test_device_out_of_memory_fails_its_batch_only(smol_engine, monkeypatch):
+    import torch
+    reference = smol_engine.generate(PROMPTS[:3], GREEDY)
+    real, calls = smol_engine.runner.forward, []
+
+    def forward_that_runs_out_at_the_third_call(fb):
+        calls.append(fb.mode)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real(fb)
+
+    monkeypatch.setattr(smol_engine.runner, "forward", forward_that_runs_out_at_the_third_call)
+    smol_engine.flush_cache()
+    failed = smol_engine.generate(PROMPTS[:2], GREEDY)
+    for out in failed:
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 503 and "memory" in reason["message"]
+        assert len(out["output_ids"]) == 2  # one token from the extend, one from the decode that succeeded
+    _idle_and_clean(smol_engine)
+    again = smol_engine.generate(PROMPTS[:3], GREEDY)
+    assert [o["output_ids"] for o in again] == [r["output_ids"] for r in reference]
+    assert smol_engine.flush_cache()
+    smol_engine.scheduler.check_invariants()
+    assert smol_engine.scheduler.kv_pool.available_size() == smol_engine.scheduler.kv_pool.size
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         radixlm.Engine(str(tmp_path / "nope"), log_level="warning")
