@@ -178,8 +178,7 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         prompts, batched = normalize_inputs(req.text, req.input_ids)
         params = per_prompt_params(req.sampling_params, len(prompts))
         check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)
-        inputs = [PreparedInput(tm.tokenize(p), p, sp) if isinstance(p, str) else PreparedInput(list(p), None, sp)
-                  for p, sp in zip(prompts, params)]
+        inputs = [PreparedInput(*tm.tokenize(p), sp) for p, sp in zip(prompts, params)]
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(inputs)
         if len(rids) != len(inputs):
             raise InvalidRequest(f"got {len(rids)} rids for {len(inputs)} prompts", param="rid")
@@ -196,7 +195,7 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         if req.stream:
             async def events():
                 async for st, out in tm.updates(states):
-                    if (st.finish_reason or {}).get("status_code"):
+                    if st.failed:
                         yield sse(RequestFailed(st.finish_reason).to_dict())
                     elif out.delta or out.finished_reason or out.new_ids:
                         yield sse(item(st))

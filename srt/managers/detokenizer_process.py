@@ -9,7 +9,7 @@ import msgspec
 import zmq
 
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
-from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput, StrOutput
+from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput
 from radixlm.srt.model_loader.hf_loader import load_tokenizer
 from radixlm.srt.utils import configure_logging, die_with_parent, parent_alive
 
@@ -42,11 +42,7 @@ def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict
             for out in batch.outputs:
                 if out.detok is not None and out.rid not in detok.states:
                     detok.register(out.rid, **out.detok)
-            items = [StrOutput(rid=d.rid, delta=d.delta, new_ids=d.out.new_ids, prompt_tokens=d.out.prompt_tokens,
-                               completion_tokens=d.out.completion_tokens, cached_tokens=d.out.cached_tokens,
-                               finished_reason=d.out.finished_reason, input_logprobs=d.out.input_logprobs,
-                               output_logprobs=d.out.output_logprobs, output_top_logprobs=d.out.output_top_logprobs)
-                     for d in detok.process(batch.outputs)]
+            items = [msgspec.structs.replace(d.out, delta=d.delta, detok=None) for d in detok.process(batch.outputs)]
             if items:
                 send.send(encoder.encode(BatchStrOutput(items)))
     except Exception:

@@ -8,13 +8,15 @@ import msgspec
 
 
 class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's progress in one scheduler step."""
+    """One request's progress in one scheduler step. The scheduler fills the ids; the detokenizer adds `delta`
+    (the new text) and passes the same struct on to the tokenizer manager."""
 
     rid: str
     new_ids: list[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    delta: str = ""
     finished_reason: dict | None = None
     # (logprob, token_id) per token; prompt entries start at logprob_start_len, the first prompt token has None.
     input_logprobs: list[tuple[float | None, int]] | None = None
@@ -56,21 +58,8 @@ class BatchTokenOutput(msgspec.Struct, tag=True):
 
 
 # --- detokenizer / scheduler -> tokenizer manager ----------------------------------------------------------
-class StrOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    rid: str
-    delta: str
-    new_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    finished_reason: dict | None = None
-    input_logprobs: list[tuple[float | None, int]] | None = None
-    output_logprobs: list[tuple[float, int]] | None = None
-    output_top_logprobs: list[list[tuple[float, int]]] | None = None
-
-
 class BatchStrOutput(msgspec.Struct, tag=True):
-    outputs: list[StrOutput]
+    outputs: list[TokenOutput]  # with `delta` set and `detok` dropped
 
 
 class ControlResp(msgspec.Struct, tag=True):

@@ -67,16 +67,21 @@ def _params(p) -> SamplingParams:
 
 
 def tokenize(tokenizer, prompt: str | list[int]) -> tuple[list[int], str | None]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        try:
-            return tokenizer(prompt, add_special_tokens=True)["input_ids"], prompt
-        except UnicodeEncodeError as e:  # lone surrogates cannot be encoded
-            raise InvalidRequest(f"prompt is not valid Unicode text: {e.reason}", param="prompt") from None
+    """Token ids of a prompt given as text or as ids, and its text (None for ids)."""
     if not prompt:
-        raise InvalidRequest("input_ids is empty", param="input_ids")
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if isinstance(prompt, str):
+        check_text(prompt, "prompt")
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"], prompt
     return list(prompt), None
+
+
+def check_text(text: str, param: str) -> None:
+    """Lone surrogates (from JSON escapes like \\ud800) cannot be tokenized: reject them by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{param} contains invalid Unicode (a lone surrogate)", param=param) from None
 
 
 def check_logprob_args(return_logprob: bool, top_logprobs_num: int, logprob_start_len: int) -> None:

@@ -25,11 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class BatchFailed(Exception):
-    """A batch failed on the device; `outputs` report its requests finished with an error."""
-
-    def __init__(self, outputs: list[TokenOutput]):
-        super().__init__(f"{len(outputs)} requests failed")
-        self.outputs = outputs
+    """A batch failed on the device; its requests were aborted with an error (see _fail_batch_on_oom)."""
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on the decode growth one request is assumed to need at admission
 INIT_NEW_TOKEN_RATIO = 0.7  # assumed fraction of max_new_tokens a request will really generate
@@ -116,8 +112,9 @@ class Scheduler:
             return outputs
         try:
             outputs += self._run_extend(batch) if batch else self._run_decode()
-        except BatchFailed as e:
-            outputs += e.outputs
+        except BatchFailed:  # its requests were aborted with an error; report them now
+            outputs += self._outputs
+            self._outputs = []
         self.stats.busy_seconds += time.perf_counter() - start
         return outputs
 
@@ -362,21 +359,16 @@ class Scheduler:
         except torch.OutOfMemoryError as e:
             logger.error("out of device memory in a batch of %d requests; failing them: %s", len(reqs), e)
             self.kv_pool.free(slots)  # this step's slots: not yet counted in any request's kv_len
-            outputs = []
             for r in list(reqs):  # for a decode batch, `reqs` is self.running itself
                 if self.chunked is r:
                     self.chunked = None
                 if r in self.running:
                     self.running.remove(r)
-                self._free_kv(r)
-                r.finished_reason = {"type": "abort", "status_code": 503, "message":
-                                     "the server ran out of device memory running this request; retry it or "
-                                     "send a shorter one"}
-                self.stats.aborted_requests += 1
-                outputs.append(self._output(r, []))
+                self._finish_abort(r, notify=True, message="the server ran out of device memory running this "
+                                   "request; retry it or send a shorter one", status_code=503)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            raise BatchFailed(outputs) from e
+            raise BatchFailed(f"{len(reqs)} requests failed") from e
 
     def _make_decode_room(self) -> None:
         """Evict cached prefixes, then retract the least advanced requests, until every runner has a slot."""
@@ -445,9 +437,12 @@ class Scheduler:
         self._free_kv(r)
         self.stats.finished_requests += 1
 
-    def _finish_abort(self, r: Req, notify: bool) -> None:
+    def _finish_abort(self, r: Req, notify: bool, message: str = "request aborted",
+                      status_code: int | None = None) -> None:
         self._free_kv(r)
-        r.finished_reason = {"type": "abort", "message": "request aborted"}
+        r.finished_reason = {"type": "abort", "message": message}
+        if status_code is not None:  # a failure, not a client's abort: the HTTP layer answers with this status
+            r.finished_reason["status_code"] = status_code
         self.stats.aborted_requests += 1
         if notify:
             self._outputs.append(self._output(r, []))

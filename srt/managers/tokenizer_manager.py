@@ -15,9 +15,9 @@ import zmq
 import zmq.asyncio
 
 from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
-from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, StrOutput,
-                                            TokenizerIn)
-from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand
+from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, TokenizerIn,
+                                            TokenOutput)
+from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand, tokenize
 from radixlm.srt.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,12 @@ class ReqState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def failed(self) -> bool:
+        """Finished by an error (it carries the HTTP status to answer with), not by a stop, a length or a
+        client's abort."""
+        return bool((self.finish_reason or {}).get("status_code"))
+
     def meta(self) -> dict:
         m = {"id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
              "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
@@ -67,6 +73,11 @@ class ReqState:
         if self.input_logprobs:
             m["input_token_logprobs"] = self.input_logprobs
         return m
+
+    def final_output(self) -> TokenOutput:
+        """An update with no new tokens that only says this request has finished (aborted or failed here)."""
+        return TokenOutput(self.rid, [], self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                           finished_reason=self.finish_reason)
 
 
 class TokenizerManager:
@@ -96,11 +107,8 @@ class TokenizerManager:
         self._recv_task = asyncio.create_task(self._recv_loop())
 
     # --- submission ------------------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        check_text(prompt, "prompt")
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        return tokenize(self.tokenizer, prompt)
 
     def submit(self, inputs: list[PreparedInput], *, return_logprob: bool = False, top_logprobs_num: int = 0,
                logprob_start_len: int = -1, stream: bool = False, rids: list[str | None] | None = None
@@ -138,7 +146,7 @@ class TokenizerManager:
         self.metrics.requests_in_flight.set(len(self.states))
         return states
 
-    async def updates(self, states: list[ReqState], request=None) -> AsyncIterator[tuple[ReqState, StrOutput]]:
+    async def updates(self, states: list[ReqState], request=None) -> AsyncIterator[tuple[ReqState, TokenOutput]]:
         """Every update of these requests in arrival order, until all finish. If the consumer stops early (a
         client disconnect cancels it) or the client goes away, the unfinished ones are aborted."""
         if not states:
@@ -178,8 +186,7 @@ class TokenizerManager:
         st.last_token_at = st.last_token_at or time.perf_counter()
         self.metrics.on_finish(st, st.last_token_at)
         self.metrics.requests_in_flight.set(len(self.states))
-        st.queue.put_nowait((st, StrOutput(rid, "", [], st.prompt_tokens, st.completion_tokens, st.cached_tokens,
-                                           st.finish_reason)))
+        st.queue.put_nowait((st, st.final_output()))
 
     # --- control ---------------------------------------------------------------------------------------
     async def control(self, kind: str, timeout: float = 10.0):
@@ -202,8 +209,7 @@ class TokenizerManager:
         self.dead = reason
         for st in list(self.states.values()):
             st.finish_reason = {"type": "abort", "message": reason, "status_code": 503}
-            st.queue.put_nowait((st, StrOutput(st.rid, "", [], st.prompt_tokens, st.completion_tokens,
-                                               st.cached_tokens, st.finish_reason)))
+            st.queue.put_nowait((st, st.final_output()))
         self.states.clear()
         for fut in self._control_waiters.values():
             if not fut.done():
@@ -253,10 +259,3 @@ class TokenizerManager:
                 self.metrics.requests_in_flight.set(len(self.states))
             st.queue.put_nowait((st, out))
 
-
-def check_text(text: str, param: str) -> None:
-    """Lone surrogates (from JSON escapes like \\ud800) cannot be tokenized: reject them by name."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"{param} contains invalid Unicode (a lone surrogate)", param=param) from None

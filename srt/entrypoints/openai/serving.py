@@ -11,8 +11,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.srt.errors import InvalidRequest, RadixLMError
-from radixlm.srt.managers.request_prep import PreparedInput
-from radixlm.srt.managers.tokenizer_manager import ReqState, TokenizerManager, check_text
+from radixlm.srt.managers.request_prep import PreparedInput, check_text
+from radixlm.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 from radixlm.srt.sampling.sampling_params import SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -50,9 +50,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def raise_if_failed(states: list[ReqState]) -> None:
     for st in states:
-        reason = st.finish_reason or {}
-        if reason.get("type") == "abort" and "status_code" in reason:
-            raise RequestFailed(reason)
+        if st.failed:
+            raise RequestFailed(st.finish_reason)
 
 
 def usage(states: list[ReqState]) -> dict:
@@ -114,14 +113,7 @@ class OpenAIServing:
             prompts = [prompts]
         if not prompts:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        inputs = []
-        for p in prompts:
-            if isinstance(p, str):
-                inputs.append(PreparedInput(self.tm.tokenize(p), p, params))
-            else:
-                if not p:
-                    raise InvalidRequest("prompt must not be empty", param="prompt")
-                inputs.append(PreparedInput(list(p), None, params))
+        inputs = [PreparedInput(*self.tm.tokenize(p), params) for p in prompts]
         want_lp = req.logprobs is not None
         states = self.tm.submit(inputs, return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
                                 logprob_start_len=0 if (want_lp and req.echo) else -1, stream=req.stream,
@@ -172,7 +164,7 @@ class OpenAIServing:
                 yield chunk([{"index": st.index, "text": self._prompt_text(st), "logprobs": None,
                               "finish_reason": None}])
         async for st, out in self.tm.updates(states):
-            if (st.finish_reason or {}).get("status_code"):
+            if st.failed:
                 yield sse(RequestFailed(st.finish_reason).to_dict())
                 continue
             lp = None
@@ -258,7 +250,7 @@ class OpenAIServing:
                           "finish_reason": None}])
         sent_lp = {st.rid: 0 for st in states}
         async for st, out in self.tm.updates(states):
-            if (st.finish_reason or {}).get("status_code"):
+            if st.failed:
                 yield sse(RequestFailed(st.finish_reason).to_dict())
                 continue
             lp = None
