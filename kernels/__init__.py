@@ -1,0 +1,21 @@
+"""Triton kernels (and thin FlashInfer wrappers), each beside the torch reference it is tested against.
+
+Everything here imports without Triton; `HAS_TRITON` says whether the kernels can run. On CPU they run under
+`TRITON_INTERPRET=1`, which is how CI tests them.
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # the CPU install has no Triton; the torch references still work
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -10,6 +10,14 @@ if str(ROOT) not in sys.path:
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+try:  # without a GPU, Triton kernels run in its interpreter; this must be set before they are imported
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 
 @pytest.fixture(scope="session")
 def smol_engine():

@@ -1,0 +1,142 @@
+"""Decode attention over the paged KV pool (page size 1, `req_to_token` indirection), split-KV.
+
+Stage 1 gives each (request, KV head, split) its own program: it walks its share of the request's KV slots and
+keeps a running softmax for all the query heads of that KV head's group at once (a [group, D] x [D, N] dot, so
+GQA uses the tensor cores). Stage 2 merges the splits by their log-sum-exp. Splitting the KV lets one request
+with a long context fill the GPU ("flash-decoding"); the number of splits is fixed per batch size, so the
+launch is the same on every replay of a CUDA graph while the per-request split length follows `seq_lens`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from radixlm.kernels import INTERPRET, next_pow2
+from radixlm.kernels._triton import tl, triton
+
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+
+
+# --- torch reference -----------------------------------------------------------------------------------------
+def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale: float):
+    """q: [B, H, D]; returns [B, H, D] (float32 math, per request, no padding)."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i in range(b):
+        n = int(seq_lens[i])
+        slots = req_to_token[int(req_pool_indices[i]), :n].long()
+        k = k_cache[slots].float().repeat_interleave(h // kvh, 1)  # [n, H, D]
+        v = v_cache[slots].float().repeat_interleave(h // kvh, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), k) * sm_scale
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+# --- Triton --------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
+                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                   qk_scale, num_splits,
+                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    seq_len = tl.load(lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOT:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOT:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    # An empty split (short request, many splits) stores lse = -inf, which stage 2 weighs as zero.
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + d[None, :], out,
+             mask=hmask[:, None] & dmask[None, :])
+    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                   stride_ob, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
+                mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Enough (request, KV head, split) programs for about two waves over the SMs, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, math.ceil(2 * num_sms / max(1, batch_size * num_kv_heads))))
+
+
+def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale: float,
+                     num_splits: int, out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+    """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D]; req_to_token: [rows, max_ctx] int32;
+    req_pool_indices/seq_lens: [B]. Reads only tensors: capturable in a CUDA graph."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[1]
+    group = h // kvh
+    if out is None:
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    block_d = next_pow2(d)
+    _decode_stage1[(b, kvh, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), sm_scale * _LOG2E, num_splits,
+        GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
+        num_warps=4, num_stages=2)
+    _decode_stage2[(b, h)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d, BLOCK_D=block_d,
+        BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
+    return out

@@ -1,0 +1,117 @@
+"""Extend (prefill) attention over the paged pool: each request's new tokens attend to its cached prefix and,
+causally, to themselves. Ragged across requests: a program owns one block of one request's new tokens for one
+query head, so nothing is padded to the longest request. The new tokens' K/V are already in the pool (the
+rope kernel stored them), so prefix and new part are read the same way, through `req_to_token`.
+"""
+from __future__ import annotations
+
+import torch
+
+from radixlm.kernels import INTERPRET, next_pow2
+from radixlm.kernels._triton import tl, triton
+
+_LOG2E = 1.4426950408889634
+
+
+# --- torch reference -----------------------------------------------------------------------------------------
+def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                         sm_scale: float) -> torch.Tensor:
+    """q: [T, H, D] (requests' new tokens back to back); returns [T, H, D]."""
+    h = q.shape[1]
+    kvh = k_cache.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for i in range(len(extend_lens)):
+        p, e = int(prefix_lens[i]), int(extend_lens[i])
+        slots = req_to_token[int(req_pool_indices[i]), : p + e].long()
+        k = k_cache[slots].float().repeat_interleave(h // kvh, 1)
+        v = v_cache[slots].float().repeat_interleave(h // kvh, 1)
+        s = torch.einsum("qhd,nhd->hqn", q[start : start + e].float(), k) * sm_scale
+        causal = torch.arange(p + e)[None, :] <= (p + torch.arange(e))[:, None]
+        s = s.masked_fill(~causal.to(s.device), float("-inf"))
+        out[start : start + e] = torch.einsum("hqn,nhd->qhd", s.softmax(-1), v).to(q.dtype)
+        start += e
+    return out
+
+
+# --- Triton --------------------------------------------------------------------------------------------------
+@triton.jit
+def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ext_ptr, qstart_ptr,
+                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+                   stride_r2t, qk_scale,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    ext_len = tl.load(ext_ptr + b)
+    if mb * BLOCK_M >= ext_len:
+        return
+    prefix = tl.load(prefix_ptr + b)
+    q_start = tl.load(qstart_ptr + b).to(tl.int64)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    kvh = h // GROUP
+
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < ext_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
+        q = q.to(tl.float32)
+    q_pos = prefix + m
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = prefix + tl.minimum(ext_len, (mb + 1) * BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < kv_end
+        slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOT:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        # Key n is visible to query row m when n <= its position; column 0 always is, so no row is all -inf.
+        qk = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOT:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+                     max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D]; prefix_lens/extend_lens/q_starts: [B] device tensors; `max_extend_len` from the host
+    sizes the grid. The new tokens' K/V must already be in the pool."""
+    t, h, d = q.shape
+    kvh = k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    b = req_pool_indices.shape[0]
+    if t == 0 or b == 0:
+        return out
+    block_d = next_pow2(d)
+    if INTERPRET or not q.is_cuda:
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    else:
+        block_m, block_n = (128, 64) if d <= 128 else (64, 32)
+        warps, stages = 8, 2
+    grid = (b, h, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), req_to_token.stride(0), sm_scale * _LOG2E,
+        GROUP=h // kvh, BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
+        num_warps=warps, num_stages=stages)
+    return out

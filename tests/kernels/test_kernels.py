@@ -1,0 +1,149 @@
+"""Every Triton kernel against its torch reference on small ragged shapes. Without a GPU they run under
+TRITON_INTERPRET=1 (set in tests/conftest.py); on CUDA the same tests run the compiled kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm.kernels import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+def tol(dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1.5e-2
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 64), (7, 96), (3, 576)])
+def test_rmsnorm(dtype, rows, n):
+    from radixlm.kernels.norm import fused_add_rmsnorm_, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g).to(DEV, dtype)
+    r = torch.randn(rows, n, generator=g).to(DEV, dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(DEV, dtype)
+    assert rel_err(rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6)) < tol(dtype)
+    ref_out, ref_res = fused_add_rmsnorm_ref(x, r, w, 1e-6)
+    out, res = fused_add_rmsnorm_(x.clone(), r.clone(), w, 1e-6)
+    assert rel_err(res, ref_res) < tol(dtype)  # the interpreter rounds bf16 by truncation
+    assert rel_err(out, ref_out) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 64), (5, 1500)])
+def test_silu_and_mul(dtype, rows, n):
+    from radixlm.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    x = (2 * torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(n))).to(DEV, dtype)
+    assert rel_err(silu_and_mul(x), silu_and_mul_ref(x)) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,qk_norm", [(4, 2, 32, False), (6, 2, 64, True), (3, 3, 16, False)])
+def test_rope_and_store(dtype, heads, kv_heads, head_dim, qk_norm):
+    from radixlm.kernels.rope import rope_and_store, rope_and_store_ref
+    from radixlm.srt.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(heads * head_dim)
+    t, slots = 9, 40
+    rot = RotaryEmbedding(head_dim, 256, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    cos_sin = rot.cos_sin.to(DEV)
+    # q, k, v as strided views of one fused projection, as the model produces them.
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEV, dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k, v = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), v.view(t, kv_heads, head_dim)
+    positions = torch.randint(0, 256, (t,), generator=g).to(DEV)
+    loc = torch.randperm(slots, generator=g)[:t].to(DEV)
+    norms = {}
+    if qk_norm:
+        norms = {"q_norm_weight": (1 + 0.1 * torch.randn(head_dim, generator=g)).to(DEV, dtype),
+                 "k_norm_weight": (1 + 0.1 * torch.randn(head_dim, generator=g)).to(DEV, dtype)}
+    caches = [poison(torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=DEV)) for _ in range(4)]
+    q_ref = rope_and_store_ref(positions, q, k, v, cos_sin, caches[0], caches[1], loc, **norms)
+    q_out = rope_and_store(positions, q, k, v, cos_sin, caches[2], caches[3], loc, **norms)
+    assert rel_err(q_out, q_ref) < tol(dtype)
+    assert rel_err(caches[2][loc], caches[0][loc]) < tol(dtype)
+    assert torch.equal(caches[3][loc], caches[1][loc])
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert caches[2][untouched.to(DEV)].isnan().all()  # nothing written outside `loc`
+
+
+def _paged_setup(dtype, heads, kv_heads, head_dim, lens, seed):
+    """A pool with random K/V and a req_to_token table whose rows point at scattered slots."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens) + 5
+    k_cache = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(DEV, dtype)
+    v_cache = torch.randn(total + 1, kv_heads, head_dim, generator=g).to(DEV, dtype)
+    perm = torch.randperm(total, generator=g) + 1
+    rows = torch.tensor([2 * i + 1 for i in range(len(lens))])  # rows in use are not 0..B-1
+    r2t = torch.zeros(2 * len(lens) + 2, max(lens) + 3, dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(lens):
+        r2t[rows[i], :n] = perm[pos : pos + n].to(torch.int32)
+        pos += n
+    return g, k_cache, v_cache, r2t.to(DEV), rows.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (6, 1, 16)])
+@pytest.mark.parametrize("lens,splits", [([37], 1), ([37], 4), ([1, 70, 5, 129, 16, 2, 33], 3), ([200], 16)])
+def test_decode_attention(dtype, heads, kv_heads, head_dim, lens, splits):
+    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, heads, kv_heads, head_dim, lens, sum(lens) + heads)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(DEV, dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    scale = head_dim ** -0.5
+    out = poison(torch.empty_like(q))
+    decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, scale, num_splits=splits, out=out, block_n=16)
+    ref = decode_attention_ref(q, k_cache, v_cache, r2t, rows, seq_lens, scale)
+    assert rel_err(out, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64)])
+@pytest.mark.parametrize("prefix,extend", [([0], [23]), ([17], [5]), ([0, 40, 3, 0, 9, 64, 1], [7, 1, 30, 18, 2, 5, 33])])
+def test_extend_attention(dtype, heads, kv_heads, head_dim, prefix, extend):
+    from radixlm.kernels.extend_attention import extend_attention, extend_attention_ref
+
+    lens = [p + e for p, e in zip(prefix, extend)]
+    g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, heads, kv_heads, head_dim, lens, sum(lens) + head_dim)
+    q = torch.randn(sum(extend), heads, head_dim, generator=g).to(DEV, dtype)
+    p_t = torch.tensor(prefix, dtype=torch.int32, device=DEV)
+    e_t = torch.tensor(extend, dtype=torch.int32, device=DEV)
+    starts = torch.cumsum(e_t, 0, dtype=torch.int32) - e_t
+    scale = head_dim ** -0.5
+    out = poison(torch.empty_like(q))
+    extend_attention(q, k_cache, v_cache, r2t, rows, p_t, e_t, starts, max(extend), scale, out=out)
+    ref = extend_attention_ref(q, k_cache, v_cache, r2t, rows, p_t, e_t, scale)
+    assert rel_err(out, ref) < tol(dtype)
+
+
+def test_kv_indices():
+    from radixlm.kernels.kv_indices import build_kv_indices, build_kv_indices_ref
+
+    lens = [3, 1, 700, 0, 12]
+    g, _, _, r2t, rows = _paged_setup(torch.float32, 2, 1, 16, [max(n, 1) for n in lens], 5)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=DEV)
+    indptr[1:] = torch.cumsum(seq, 0)
+    out = torch.full((sum(lens) + 4,), -1, dtype=torch.int32, device=DEV)
+    ref = out.clone()
+    build_kv_indices(r2t, rows, seq, indptr, out)
+    build_kv_indices_ref(r2t, rows, seq, indptr, ref)
+    assert torch.equal(out, ref)
+    assert (out[sum(lens):] == -1).all()
