@@ -6,6 +6,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
+from radixlm.srt.layers.attention import BACKENDS as ATTENTION_BACKENDS
+
 
 def _opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -42,13 +44,22 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "no prefix sharing across requests")
     stream_interval: int = _opt(1, "send streamed output every N tokens")
     # Backends
-    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "flashinfer", "triton"))
+    attention_backend: str = _opt("auto", "attention kernels (auto: flashinfer on CUDA when installed, else "
+                                  "triton on CUDA, else torch_native)", ("auto", *ATTENTION_BACKENDS))
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying captured CUDA graphs")
+    cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph (default: 256 on "
+                                         "GPUs of 60 GB or more, 160 from 30 GB, else 64)")
+    disable_overlap_schedule: bool = _opt(False, "schedule the next step only after the current one's tokens "
+                                          "are back on the host")
+    force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "
+                                        "by default, where the forward is asynchronous); for tests")
+    enable_mixed_chunk: bool = _opt(False, "let running requests decode in the same batch as a prefill chunk")
     grammar_backend: str = _opt("outlines", "constrained decoding backend", ("outlines", "xgrammar", "none"))
 
     def __post_init__(self) -> None:
         if self.tp_size != 1:
             raise ValueError("tp_size: only 1 is supported so far")
-        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests"):
+        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

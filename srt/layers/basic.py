@@ -1,9 +1,12 @@
-"""Weight-holding building blocks. Parameters start uninitialised: every value comes from the checkpoint."""
+"""Weight-holding building blocks. Parameters start uninitialised: every value comes from the checkpoint.
+Layers that compute through a kernel hold the runner's `KernelOps` set in `ops` (torch references by default)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlm.srt.layers.ops import TORCH_OPS
 
 
 class Linear(nn.Module):
@@ -30,20 +33,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`, adds it first and also returns the sum (the next residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        """With `residual`, adds it first and also returns the sum (the next residual). The fused kernels
+        may overwrite x and residual in place: callers pass tensors they no longer need."""
+        if residual is None:
+            return self.ops.rmsnorm(x, self.weight, self.eps)
+        return self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ops = TORCH_OPS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.ops.silu_and_mul(x)

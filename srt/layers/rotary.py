@@ -6,6 +6,7 @@ import math
 import torch
 from torch import nn
 
+from radixlm.kernels.rope import apply_rotary_ref
 from radixlm.srt.errors import ModelLoadError
 
 
@@ -47,10 +48,4 @@ class RotaryEmbedding(nn.Module):
         """q: [T, H, D], k: [T, KVH, D]."""
         cs = self.cos_sin.index_select(0, positions).unsqueeze(1)
         cos, sin = cs[..., : self.half], cs[..., self.half :]
-        return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)

@@ -36,13 +36,14 @@ class PenaltyInfo:
 
 @dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor  # [B, 1]; greedy rows hold 1.0
-    top_ps: torch.Tensor  # [B]
-    top_ks: torch.Tensor  # [B] int64, vocab size where off
-    min_ps: torch.Tensor  # [B]
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64
-    greedy: torch.Tensor  # [B] bool
+    # Per-row tensors; None when every row is greedy (all_greedy), which needs none of them.
+    temperatures: torch.Tensor | None  # [B, 1]; greedy rows hold 1.0
+    top_ps: torch.Tensor | None  # [B]
+    top_ks: torch.Tensor | None  # [B] int64, vocab size where off
+    min_ps: torch.Tensor | None  # [B]
+    seeds: torch.Tensor | None  # [B] int64
+    steps: torch.Tensor | None  # [B] int64
+    greedy: torch.Tensor | None  # [B] bool
     all_greedy: bool
     need_top_k_p: bool
     need_min_p: bool
@@ -68,7 +69,13 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        raw = logits
+        """Sample and read the result back (one synchronous transfer)."""
+        ids = self.sample_ids(logits, info)
+        return unpack_sample(self.result_columns(logits, ids, info).view(-1).cpu(), ids.shape[0], info)
+
+    @torch.inference_mode()
+    def sample_ids(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The next token of every row, on the device; never syncs with the host."""
         if info.penalties is not None:
             logits = apply_penalties(logits, info.penalties)
         if info.bias is not None:
@@ -77,32 +84,27 @@ class Sampler:
             logits = logits.masked_fill(info.banned, float("-inf"))
         greedy_ids = logits.argmax(-1)
         if info.all_greedy:
-            ids = greedy_ids
-        else:
-            probs = torch.softmax(logits / info.temperatures, dim=-1)
-            if info.need_top_k_p:
-                probs = top_k_top_p(probs, info.top_ks, info.top_ps)
-            if info.need_min_p:
-                floor = probs.max(-1, keepdim=True).values * info.min_ps[:, None]
-                probs = probs.masked_fill(probs < floor, 0.0)
-            ids = torch.where(info.greedy, greedy_ids, self._race(probs, info))
-        # One transfer to the host for ids and logprobs together.
+            return greedy_ids
+        probs = torch.softmax(logits / info.temperatures, dim=-1)
+        if info.need_top_k_p:
+            probs = top_k_top_p(probs, info.top_ks, info.top_ps)
+        if info.need_min_p:
+            floor = probs.max(-1, keepdim=True).values * info.min_ps[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return torch.where(info.greedy, greedy_ids, self._race(probs, info))
+
+    @staticmethod
+    def result_columns(raw: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """[B, cols] float64 (exact for token ids): id, then logprob and top-k ids and logprobs if asked, so
+        that everything a step returns comes back in one transfer. Logprobs are of the unmodified logits."""
         cols = [ids.double()[:, None]]
-        k = info.top_logprobs_num
         if info.return_logprob:
             lp = torch.log_softmax(raw, dim=-1)
             cols.append(lp.gather(1, ids[:, None]).double())
-            if k:
-                top = lp.topk(k, dim=-1)
+            if info.top_logprobs_num:
+                top = lp.topk(info.top_logprobs_num, dim=-1)
                 cols += [top.indices.double(), top.values.double()]
-        host = torch.cat(cols, dim=1).cpu()
-        out = SampleOutput(next_ids=host[:, 0].long().tolist(), logprobs=None, top_ids=None, top_logprobs=None)
-        if info.return_logprob:
-            out.logprobs = host[:, 1].tolist()
-            if k:
-                out.top_ids = host[:, 2 : 2 + k].long().tolist()
-                out.top_logprobs = host[:, 2 + k :].tolist()
-        return out
+        return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
 
     def _race(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Sample each row from `probs` via the exponential race argmax(p / E), E ~ Exp(1) from the hash."""
@@ -127,3 +129,17 @@ def top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor)
     drop = ((cum - sorted_p) >= top_ps[:, None]) | (ranks >= top_ks[:, None])
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+
+
+def unpack_sample(flat: torch.Tensor, n: int, info: SamplingBatchInfo) -> SampleOutput:
+    """The host side of `result_columns`: `flat` holds its [n, cols] block first."""
+    k = info.top_logprobs_num if info.return_logprob else 0
+    width = 1 + (1 + 2 * k if info.return_logprob else 0)
+    host = flat[: n * width].view(n, width)
+    out = SampleOutput(next_ids=host[:, 0].long().tolist(), logprobs=None, top_ids=None, top_logprobs=None)
+    if info.return_logprob:
+        out.logprobs = host[:, 1].tolist()
+        if k:
+            out.top_ids = host[:, 2 : 2 + k].long().tolist()
+            out.top_logprobs = host[:, 2 + k :].tolist()
+    return out

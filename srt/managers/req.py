@@ -34,6 +34,11 @@ class Req:
     admitted: bool = False
     retractions: int = 0
     finished_reason: dict | None = None
+    # Overlap scheduling: the token sampled by the last launched step, which the host has not read yet, lives
+    # at runner.future_map[pending_ref]. `epoch` changes on retraction, so results of steps launched before
+    # are recognised as stale and dropped.
+    pending_ref: int | None = None
+    epoch: int = 0
 
     input_token_logprobs: list = field(default_factory=list)
     input_logprobs_sent: bool = False
@@ -50,6 +55,16 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def pending_count(self) -> int:
+        return 0 if self.pending_ref is None else 1
+
+    def decodable(self, context_length: int) -> bool:
+        """Worth another decode step: not finished, and not certain to finish with the token still pending."""
+        if self.finished:
+            return False
+        produced = len(self.output_ids) + self.pending_count()
+        return produced < self.max_new_tokens and len(self.input_ids) + produced < context_length
 
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)

@@ -14,8 +14,12 @@ class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: torch.device):
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
-        self.host = self.req_to_token if device.type == "cpu" else torch.zeros((size, max_context_len), dtype=torch.int32)
+        # One extra row, never handed out and always zeros: the padding rows of a CUDA-graph batch point at it,
+        # so they attend to slot 0 (the padding slot) only.
+        self.dummy_row = size
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
+        self.host = self.req_to_token if device.type == "cpu" else torch.zeros((size + 1, max_context_len),
+                                                                               dtype=torch.int32)
         self._free = list(range(size - 1, -1, -1))
 
     def alloc(self) -> int | None:

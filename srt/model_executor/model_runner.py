@@ -1,14 +1,19 @@
-"""Owns the model, the KV memory pools, the attention backend and the sampler; runs one batch at a time."""
+"""Owns the model, the KV memory pools, the attention backend, the decode CUDA graphs and the sampler; runs one
+batch at a time. `run_forward` launches a batch's forward (a graph replay where one fits) and `sample`
+launches its sampling and the one device->host copy of the results; neither waits for the device."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from radixlm.srt.layers.attention.torch_native import TorchNativeAttnBackend
-from radixlm.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from radixlm.srt.layers.attention import create_backend, resolve_backend
+from radixlm.srt.layers.ops import select_kernel_ops
+from radixlm.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, unpack_sample
 from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
-from radixlm.srt.model_executor.forward_batch import ForwardBatch
+from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
+from radixlm.srt.model_executor.host_transfer import HostStaging, PendingCopy
 from radixlm.srt.model_loader.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -29,10 +34,20 @@ def _mem_available_bytes() -> int:
     return 8 << 30
 
 
-def create_attention_backend(name: str, device: torch.device):
-    if name in ("auto", "torch_native"):
-        return TorchNativeAttnBackend(device)
-    raise ValueError(f"attention_backend {name!r} is not available yet; use torch_native")
+@dataclass
+class PendingSample:
+    """A step's sampled ids on the device (for the next step's inputs) and their copy on its way to the host."""
+
+    ids: torch.Tensor
+    n: int
+    info: SamplingBatchInfo | None
+    copy: PendingCopy
+    extra: int  # trailing float64 values after the [n, cols] block (prompt logprobs)
+
+    def wait(self) -> tuple[SampleOutput | None, list[float]]:
+        flat = self.copy.wait()
+        out = unpack_sample(flat, self.n, self.info) if self.n else None
+        return out, (flat[flat.numel() - self.extra:].tolist() if self.extra else [])
 
 
 class ModelRunner:
@@ -52,10 +67,27 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads,
                                               self.config.head_dim, self.dtype, self.device)
-        self.attn_backend = create_attention_backend(args.attention_backend, self.device)
+        self.attn_backend_name = resolve_backend(args.attention_backend, self.device.type)
+        self.attn_backend = create_backend(self.attn_backend_name, self)
+        self.kernel_ops = select_kernel_ops("auto", self.device)
+        self.model.set_kernel_ops(self.kernel_ops)
         self.sampler = Sampler(self.vocab_size, self.device)
-        logger.info("KV cache: %d tokens (%.2f GB), max running requests %d", self.max_total_tokens,
-                    self.max_total_tokens * bytes_per_token / 1e9, self.max_running_requests)
+        self.staging = HostStaging(self.device)
+        # Sampled ids that later steps read before the host has seen them (overlap scheduling).
+        self.future_map = torch.zeros(4 * self.max_running_requests + 64, dtype=torch.int64, device=self.device)
+        self._future_next = 0
+        logger.info("KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s",
+                    self.max_total_tokens, self.max_total_tokens * bytes_per_token / 1e9,
+                    self.max_running_requests, self.attn_backend_name, self.kernel_ops.name)
+        self.graph_runner = None
+        if self.device.type == "cuda":
+            self.attn_backend.warmup()
+            if self.attn_backend.supports_cuda_graph and not args.disable_cuda_graph:
+                from radixlm.srt.model_executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
+
+                max_bs = min(args.cuda_graph_max_bs or default_cuda_graph_max_bs(self.device),
+                             self.max_running_requests)
+                self.graph_runner = CudaGraphRunner(self, max_bs)
 
     def _default_kv_tokens(self, bytes_per_token: int, args) -> int:
         if self.device.type == "cuda":
@@ -68,7 +100,9 @@ class ModelRunner:
         tokens = int(_mem_available_bytes() * _CPU_KV_MEMORY_FRACTION // bytes_per_token)
         return max(1024, min(tokens, _CPU_MAX_KV_TOKENS))
 
+    # --- forward -----------------------------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Eager forward of a prepared batch; float32 logits of its `logits_indices` rows."""
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
@@ -76,5 +110,40 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb)
 
-    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        return self.sampler(logits, info)
+    def run_forward(self, spec: BatchSpec) -> torch.Tensor:
+        """A graph replay for decode batches that fit one, else eager."""
+        futures = self.future_map if spec.has_futures() else None
+        g = self.graph_runner
+        if g is not None and spec.mode is ForwardMode.DECODE and g.can_run(spec.batch_size, spec.seq_lens):
+            with torch.inference_mode():
+                return g.replay(spec.input_ids, spec.positions, spec.req_pool_indices, spec.seq_lens,
+                                spec.out_cache_loc, futures)
+        return self.forward(spec.build(self.device, futures))
+
+    # --- sampling ----------------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor | None, info: SamplingBatchInfo | None,
+               extra: torch.Tensor | None = None) -> PendingSample:
+        """Sample every row of `logits` and start copying ids (+ logprobs, + `extra` float values) to the host."""
+        with torch.inference_mode():
+            pieces = []
+            n = 0
+            ids = torch.empty(0, dtype=torch.int64, device=self.device)
+            if logits is not None and logits.shape[0]:
+                n = logits.shape[0]
+                ids = self.sampler.sample_ids(logits, info)
+                pieces.append(self.sampler.result_columns(logits, ids, info).view(-1))
+            if extra is not None:
+                pieces.append(extra.double().view(-1))
+            flat = pieces[0] if len(pieces) == 1 else (torch.cat(pieces) if pieces else
+                                                       torch.empty(0, dtype=torch.float64, device=self.device))
+            return PendingSample(ids, n, info, self.staging.copy(flat), 0 if extra is None else extra.numel())
+
+    def store_futures(self, ids: torch.Tensor) -> int:
+        """Keep sampled ids on the device for the next step's inputs; returns the index of the first."""
+        n = ids.shape[0]
+        if self._future_next + n > self.future_map.shape[0]:
+            self._future_next = 0
+        base = self._future_next
+        self.future_map[base : base + n].copy_(ids)
+        self._future_next += n
+        return base

@@ -9,6 +9,7 @@ from torch import nn
 from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.attention.base import RadixAttention
 from radixlm.srt.layers.basic import Embedding, Linear, RMSNorm, SiluAndMul
+from radixlm.srt.layers.ops import TORCH_OPS, KernelOps
 from radixlm.srt.layers.rotary import RotaryEmbedding
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 from radixlm.srt.model_loader.model_config import ModelConfig
@@ -26,15 +27,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.rotary = rotary
+        self.layer_id = layer_id
         self.attn = RadixAttention(layer_id, self.h, self.kvh, self.d, self.d**-0.5)
+        self.ops = TORCH_OPS
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(-1, self.h, self.d), k.view(-1, self.kvh, self.d), v.view(-1, self.kvh, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, fb))
+        pool = fb.token_to_kv_pool
+        # q/k norm (Qwen3) and rotary on q and k, and k, v into the pool, in one kernel where one exists.
+        q = self.ops.rope_and_store(positions, q, k, v, self.rotary.cos_sin, pool.k_buffer[self.layer_id],
+                                    pool.v_buffer[self.layer_id], fb.out_cache_loc,
+                                    self.q_norm.weight if self.qk_norm else None,
+                                    self.k_norm.weight if self.qk_norm else None,
+                                    self.q_norm.eps if self.qk_norm else 1e-6)
+        return self.o_proj(self.attn(q, fb))
 
 
 class MLP(nn.Module):
@@ -97,11 +104,18 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    def set_kernel_ops(self, ops: KernelOps) -> None:
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Returns float32 logits for the rows in `fb.logits_indices`."""
+        """Returns float32 logits for the rows in `fb.logits_indices` (every row when it is None)."""
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        return torch.matmul(hidden.index_select(0, fb.logits_indices), self.lm_head_weight.t()).float()
+        if fb.logits_indices is not None:
+            hidden = hidden.index_select(0, fb.logits_indices)
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()
 
     # --- weights -------------------------------------------------------------------------------------------
     _STACKED = {  # checkpoint name part -> (our fused parameter, shard index)

@@ -15,8 +15,14 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("sched") / "llama", "llama", vocab_size=512)
 
 
-def _engine(path, **kw):
-    return radixlm.Engine(str(path), log_level="warning", **kw)
+# The scheduling loops every test below runs under: plain, overlapped (the GPU default; forced here on CPU),
+# and overlapped with mixed chunked prefill.
+MODES = {"plain": {}, "overlap": {"force_overlap_schedule": True},
+         "overlap-mixed": {"force_overlap_schedule": True, "enable_mixed_chunk": True}}
+
+
+def _engine(path, mode="plain", **kw):
+    return radixlm.Engine(str(path), log_level="warning", **MODES[mode], **kw)
 
 
 def _assert_all_free(engine):
@@ -48,13 +54,14 @@ def test_shared_prefix_computes_a_fraction(tiny_dir):
     assert sum(o["meta_info"]["cached_tokens"] >= 1000 for o in on_outs) == 31
 
 
-def test_chunked_prefill_matches_unchunked(tiny_dir):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_chunked_prefill_matches_unchunked(tiny_dir, mode):
     rng = random.Random(1)
     long_prompt = [rng.randrange(3, 512) for _ in range(300)]
     sp = {**GREEDY, "max_new_tokens": 16, "ignore_eos": True}
     whole = _engine(tiny_dir, chunked_prefill_size=-1, max_total_tokens=4096)
     ref = whole.generate(input_ids=long_prompt, sampling_params=sp, return_logprob=True, logprob_start_len=0)
-    chunked = _engine(tiny_dir, chunked_prefill_size=64, max_total_tokens=4096)
+    chunked = _engine(tiny_dir, mode, chunked_prefill_size=64, max_total_tokens=4096)
     out = chunked.generate(input_ids=long_prompt, sampling_params=sp, return_logprob=True, logprob_start_len=0)
     assert out["output_ids"] == ref["output_ids"]
     assert whole.get_stats()["extend_steps"] == 1 and chunked.get_stats()["extend_steps"] == 5
@@ -64,13 +71,14 @@ def test_chunked_prefill_matches_unchunked(tiny_dir):
     _assert_all_free(chunked)
 
 
-@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs", "lof", "random"])
-def test_policies_give_same_greedy_outputs(tiny_dir, policy):
+@pytest.mark.parametrize("policy,mode", [("lpm", "plain"), ("dfs-weight", "plain"), ("fcfs", "plain"),
+                                         ("lof", "plain"), ("random", "plain"), ("lpm", "overlap-mixed")])
+def test_policies_give_same_greedy_outputs(tiny_dir, policy, mode):
     rng = random.Random(2)
     prefixes = [[rng.randrange(3, 512) for _ in range(40)] for _ in range(3)]
     prompts = [rng.choice(prefixes) + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 9))] for _ in range(24)]
     sp = {**GREEDY, "max_new_tokens": 6, "ignore_eos": True}
-    engine = _engine(tiny_dir, schedule_policy=policy, max_total_tokens=4096)
+    engine = _engine(tiny_dir, mode, schedule_policy=policy, max_total_tokens=4096)
     alone = _engine(tiny_dir, max_total_tokens=4096, disable_radix_cache=True)
     got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
     assert got == [alone.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
@@ -78,8 +86,9 @@ def test_policies_give_same_greedy_outputs(tiny_dir, policy):
     _assert_all_free(engine)
 
 
-def test_abort_while_waiting_mid_chunk_and_decoding(tiny_dir):
-    engine = _engine(tiny_dir, chunked_prefill_size=32, max_total_tokens=4096, max_running_requests=2)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_abort_while_waiting_mid_chunk_and_decoding(tiny_dir, mode):
+    engine = _engine(tiny_dir, mode, chunked_prefill_size=32, max_total_tokens=4096, max_running_requests=2)
     rng = random.Random(3)
     ids = [[rng.randrange(3, 512) for _ in range(n)] for n in (100, 20, 20, 20)]
     rids = [engine.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 50, "ignore_eos": True})[0]
@@ -107,7 +116,8 @@ def test_abort_while_waiting_mid_chunk_and_decoding(tiny_dir):
     _assert_all_free(engine)
 
 
-def test_500_requests_with_sharing_aborts_eviction_and_retraction(tiny_dir):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_500_requests_with_sharing_aborts_eviction_and_retraction(tiny_dir, mode):
     rng = random.Random(4)
     prefixes = [[rng.randrange(3, 512) for _ in range(n)] for n in (24, 40, 56, 72, 90)]
     suffixes = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 16))] for _ in range(16)]
@@ -115,7 +125,7 @@ def test_500_requests_with_sharing_aborts_eviction_and_retraction(tiny_dir):
     plan = [(rng.choice(catalog), rng.randrange(1, 25)) for _ in range(500)]
 
     # An optimistic decode reserve (low conservativeness) admits more than fits: decode must retract.
-    engine = _engine(tiny_dir, max_total_tokens=700, max_running_requests=24, chunked_prefill_size=48,
+    engine = _engine(tiny_dir, mode, max_total_tokens=700, max_running_requests=24, chunked_prefill_size=48,
                      schedule_conservativeness=0.05)
     submitted, results, aborted_by_us, prompt_of = 0, {}, set(), {}
     while submitted < len(plan) or engine.has_unfinished_requests():
@@ -138,7 +148,10 @@ def test_500_requests_with_sharing_aborts_eviction_and_retraction(tiny_dir):
         engine.scheduler.check_invariants()
     stats = engine.get_stats()
     assert len(results) == 500
-    assert stats["retractions"] > 0, "the KV budget must be small enough to force retraction"
+    if mode == "overlap-mixed":  # decode rides along with prefills, and riders are dropped when KV is short
+        assert stats["mixed_steps"] > 0
+    else:
+        assert stats["retractions"] > 0, "the KV budget must be small enough to force retraction"
     assert stats["evicted_tokens"] > 0
     assert stats["cache_hit_rate"] > 0.2
     assert {r for r, u in results.items() if u["meta_info"]["finish_reason"]["type"] == "abort"} == aborted_by_us

@@ -1,0 +1,49 @@
+"""Attention backends by name. The registry is the single source of `--attention-backend` choices."""
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixlm.srt.layers.attention.base import AttentionBackend
+
+BACKENDS = ("torch_native", "triton", "flashinfer")
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_backend(name: str, device_type: str) -> str:
+    """`auto`: FlashInfer when importable on CUDA, else Triton on CUDA, else torch-native."""
+    if name == "auto":
+        if device_type == "cuda" and _importable("flashinfer"):
+            return "flashinfer"
+        if device_type == "cuda" and _importable("triton"):
+            return "triton"
+        return "torch_native"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {('auto', *BACKENDS)}, got {name!r}")
+    if name == "flashinfer" and (device_type != "cuda" or not _importable("flashinfer")):
+        raise ValueError("attention_backend flashinfer needs a CUDA device and the flashinfer package "
+                         "(pip install 'radixlm[gpu]')")
+    if name == "triton" and not _importable("triton"):
+        raise ValueError("attention_backend triton needs the triton package")
+    return name
+
+
+def create_backend(name: str, runner) -> "AttentionBackend":
+    cfg = runner.config
+    if name == "torch_native":
+        from radixlm.srt.layers.attention.torch_native import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend(runner.device)
+    if name == "triton":
+        from radixlm.srt.layers.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend(cfg.num_kv_heads, runner.device)
+    from radixlm.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    return FlashInferAttnBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.dtype, runner.dtype,
+                                 runner.req_to_token_pool.req_to_token, runner.max_total_tokens,
+                                 runner.max_running_requests, runner.device)

@@ -5,6 +5,8 @@ call serves the whole batch (no Python loop over requests); masks carry causalit
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,17 @@ from radixlm.srt.model_executor.forward_batch import ForwardBatch
 _SCORE_BUDGET = 1 << 30  # bytes of attention scores one SDPA call may materialize
 
 
+@dataclass
+class TorchNativeMetadata:
+    kv_idx: torch.Tensor  # [B, max_kv] KV slot of every (request, position); padding points at slot 0
+    mask: torch.Tensor  # [B, 1, q, max_kv]
+    q_idx: torch.Tensor | None = None  # extend: [B, max_q] row of each padded query in the batch
+    out_idx: torch.Tensor | None = None  # extend: padded output rows that are real
+
+
 class TorchNativeAttnBackend(AttentionBackend):
+    name = "torch_native"
+
     def __init__(self, device: torch.device | None = None):
         if device is not None and device.type == "cuda":
             # cuDNN's SDPA builds and caches a graph for every new KV length; decode changes that length every
@@ -28,9 +40,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_kv].long()
         ar_kv = torch.arange(max_kv, device=device)
         kv_valid = ar_kv[None, :] < fb.seq_lens[:, None]  # [B, max_kv]
-        meta = {"kv_idx": torch.where(kv_valid, rows, 0)}
+        kv_idx = torch.where(kv_valid, rows, 0)
         if fb.mode.is_decode:
-            meta["mask"] = kv_valid[:, None, None, :]
+            fb.attn_metadata = TorchNativeMetadata(kv_idx, kv_valid[:, None, None, :])
         else:
             max_q = max(fb.extend_seq_lens_cpu)
             qlen = fb.extend_seq_lens
@@ -38,15 +50,13 @@ class TorchNativeAttnBackend(AttentionBackend):
             ar_q = torch.arange(max_q, device=device)
             q_valid = ar_q[None, :] < qlen[:, None]  # [B, max_q]
             total = fb.input_ids.shape[0]
-            meta["q_idx"] = torch.where(q_valid, starts[:, None] + ar_q, total)
+            q_idx = torch.where(q_valid, starts[:, None] + ar_q, total)
             q_pos = fb.extend_prefix_lens[:, None] + ar_q  # absolute position of each query row
             mask = (ar_kv[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
             # Padding rows attend to slot 0 so no row is fully masked (that would give NaN); they are dropped after.
             mask[:, :, 0] |= ~q_valid
-            meta["mask"] = mask[:, None]
-            b = fb.batch_size
-            meta["out_idx"] = (torch.arange(b, device=device)[:, None] * max_q + ar_q)[q_valid]
-        fb.attn_metadata = meta
+            out_idx = (torch.arange(fb.batch_size, device=device)[:, None] * max_q + ar_q)[q_valid]
+            fb.attn_metadata = TorchNativeMetadata(kv_idx, mask[:, None], q_idx, out_idx)
 
     # index_select rather than tensor[idx]: on CPU advanced indexing is several times slower.
     @staticmethod
@@ -58,21 +68,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         v = pool.v_buffer[layer.layer_id].index_select(0, flat).view(b, n, layer.num_kv_heads, -1)
         return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
 
-    def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        meta = fb.attn_metadata
-        fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta["kv_idx"], q.dtype)
-        b, max_q = meta["q_idx"].shape
-        q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, meta["q_idx"].view(-1))
+    def forward_extend(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
+        meta: TorchNativeMetadata = fb.attn_metadata
+        keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta.kv_idx, q.dtype)
+        b, max_q = meta.q_idx.shape
+        q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, meta.q_idx.view(-1))
         q_pad = q_pad.view(b, max_q, *q.shape[1:]).transpose(1, 2)  # [B, H, max_q, D]
-        out = self._sdpa(q_pad, keys, values, meta["mask"], layer)
-        return out.transpose(1, 2).reshape(b * max_q, -1).index_select(0, meta["out_idx"])
+        out = self._sdpa(q_pad, keys, values, meta.mask, layer)
+        return out.transpose(1, 2).reshape(b * max_q, -1).index_select(0, meta.out_idx)
 
-    def forward_decode(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        meta = fb.attn_metadata
-        fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
-        keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta["kv_idx"], q.dtype)
-        out = self._sdpa(q[:, :, None, :], keys, values, meta["mask"], layer)
+    def forward_decode(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
+        meta: TorchNativeMetadata = fb.attn_metadata
+        keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta.kv_idx, q.dtype)
+        out = self._sdpa(q[:, :, None, :], keys, values, meta.mask, layer)
         return out.reshape(q.shape[0], -1)
 
     def _sdpa(self, q, keys, values, mask, layer) -> torch.Tensor:
