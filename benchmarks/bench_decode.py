@@ -1,11 +1,19 @@
-"""Decode throughput of the model runner alone: fixed batches at a fixed context, median step time.
+"""Decode step time of the model runner: fixed batches at a fixed context, median over repeats.
+
+A step is what the scheduler launches: the forward (a CUDA-graph replay where one is captured), greedy
+sampling and the one device->host copy of the ids, waited for. With --eager the same batch also runs through
+the eager forward, for the graphs-vs-eager comparison in one process.
 
     python benchmarks/bench_decode.py --batch-sizes 1 16 --context 128
+    python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
+        --tokenizer-path TOK --attention-backend flashinfer --batch-sizes 1 32 128 --context 512 --eager \
+        --out benchmarks/results/h100/decode_flashinfer.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -13,37 +21,47 @@ from pathlib import Path
 import torch
 
 import radixlm
-from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.managers.schedule_batch import sampling_info
+from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 
 
-def step_time(engine, bs: int, ctx: int, repeats: int) -> float:
+def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool) -> dict:
     r = engine.runner
     rows = [r.req_to_token_pool.alloc() for _ in range(bs)]
     slots = r.token_to_kv_pool.alloc(bs * (ctx + 1))
     for i, row in enumerate(rows):
         r.req_to_token_pool.write(row, 0, slots[i * (ctx + 1):(i + 1) * (ctx + 1)])
     loc = slots.view(bs, ctx + 1)[:, ctx].clone()
+    spec = BatchSpec(ForwardMode.DECODE, [100 + i for i in range(bs)], [ctx] * bs, rows, [ctx + 1] * bs, loc)
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
 
-    def step():
-        fb = ForwardBatch.build(ForwardMode.DECODE, r.device, input_ids=[100] * bs, positions=[ctx] * bs,
-                                req_pool_indices=rows, seq_lens=[ctx + 1] * bs, out_cache_loc=loc,
-                                logits_indices=list(range(bs)))
-        logits = r.forward(fb)
-        return logits.argmax(-1).tolist()  # the one host sync per step a real decode has
+    class _Req:  # the sampling view of a greedy request
+        sampling_params = radixlm.SamplingParams(temperature=0)
+        return_logprob, top_logprobs_num, output_ids, stop_token_ids, seed = False, 0, [], frozenset(), 0
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
+    info = sampling_info([_Req()] * bs, r.vocab_size, r.device)
+
+    def served():
+        return r.sample(r.run_forward(spec), info).wait()[0].next_ids
+
+    def plain():
+        return r.forward(spec.build(r.device, None)).argmax(-1).tolist()
+
+    out = {}
+    for name, fn in [("step", served)] + ([("eager", plain)] if eager else []):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times)
     r.token_to_kv_pool.free(slots)
     for row in rows:
         r.req_to_token_pool.free(row)
-    return statistics.median(times)
+    return out
 
 
 def main():
@@ -52,21 +70,36 @@ def main():
     ap.add_argument("--tokenizer-path", default=None)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="also time the eager forward of the same batch")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format, dtype=args.dtype, log_level="warning",
-                            max_total_tokens=max(args.batch_sizes) * (args.context + 1) + 64,
-                            max_running_requests=max(args.batch_sizes))
+    max_bs = max(args.batch_sizes)
+    engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
+                            dtype=args.dtype, log_level="warning", attention_backend=args.attention_backend,
+                            disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=max_bs,
+                            max_total_tokens=max_bs * (args.context + 1) + 64, max_running_requests=max_bs)
+    r = engine.runner
     rows = []
+    graphs = r.graph_runner is not None
     for bs in args.batch_sizes:
-        t = step_time(engine, bs, args.context, args.repeats)
-        rows.append({"batch": bs, "context": args.context, "step_ms": t * 1e3, "tokens_per_s": bs / t})
-        print(f"batch {bs:4d}: {t * 1e3:8.2f} ms/step  {bs / t:9.1f} tokens/s")
+        t = step_times(engine, bs, args.context, args.repeats, args.eager)
+        row = {"batch": bs, "context": args.context, "backend": r.attn_backend_name, "kernels": r.kernel_ops.name,
+               "cuda_graph": graphs, "step_ms": t["step"] * 1e3, "tokens_per_s": bs / t["step"]}
+        if "eager" in t:
+            row.update(eager_forward_ms=t["eager"] * 1e3, eager_tokens_per_s=bs / t["eager"])
+        rows.append(row)
+        extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
+        print(f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "
+              f"{bs / t['step']:9.1f} tokens/s{extra}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": str(engine.runner.device), "dtype": str(engine.runner.dtype),
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        dev = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else platform.processor()
+        Path(args.out).write_text(json.dumps({"device": dev, "dtype": str(r.dtype), "model": args.model_path,
                                               "rows": rows}, indent=2))
 
 

@@ -31,3 +31,12 @@ def die_with_parent() -> None:
 
 def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
+
+
+def to_device(host, device):
+    """A host tensor onto `device` without stalling the host on CUDA: a copy from pageable memory makes the
+    driver wait for the stream to drain first, which would undo overlap scheduling, so go through pinned
+    memory (PyTorch's caching host allocator keeps it alive until the copy has run)."""
+    if getattr(device, "type", device) == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

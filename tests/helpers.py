@@ -21,7 +21,7 @@ def smollm_tokenizer():
 
 def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool = False, dtype=torch.float32, seed: int = 0,
                          rope_scaling: dict | None = None, vocab_size: int | None = None, shards: int = 1,
-                         tokenizer=None) -> Path:
+                         tokenizer=None, **sizes) -> Path:
     """A small random model saved with transformers' own save_pretrained, with the SmolLM2 tokenizer."""
     import transformers
 
@@ -30,6 +30,7 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool = False, dtype=torc
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    common.update(sizes)  # e.g. hidden_size / num_attention_heads / head_dim for GPU-kernel-sized heads
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common)
         if rope_scaling:
@@ -39,7 +40,7 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool = False, dtype=torc
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common)
     elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=32)
+        cfg = transformers.Qwen3Config(**{"head_dim": 32, **common})
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

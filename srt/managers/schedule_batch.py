@@ -12,6 +12,7 @@ import torch
 from radixlm.srt.layers.sampler import PenaltyInfo, SamplingBatchInfo
 from radixlm.srt.managers.req import Req
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
+from radixlm.srt.utils import to_device
 
 
 @dataclass(eq=False)
@@ -115,7 +116,7 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
     greedy = [p.is_greedy for p in ps]
 
     def f(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=dtype), device)
 
     info = SamplingBatchInfo(
         temperatures=None, top_ps=None, top_ks=None, min_ps=None, seeds=None, steps=None, greedy=None,

@@ -30,6 +30,7 @@ from radixlm.srt.managers.schedule_policy import SchedulePolicy
 from radixlm.srt.managers.schedule_prefill import schedule_extend
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardMode
+from radixlm.srt.utils import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class Scheduler:
                 extra = None
                 if batch.lp_next:
                     lp = torch.log_softmax(logits[n:], dim=-1)
-                    nxt = torch.tensor(batch.lp_next, device=logits.device)
+                    nxt = to_device(torch.tensor(batch.lp_next), logits.device)
                     extra = lp.gather(1, nxt[:, None]).squeeze(1)
                 batch.pending = self.runner.sample(logits[:n] if n else None, info, extra)
                 batch.logits = None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.srt.utils import to_device
+
 
 class ReqToTokenPool:
     """Row per running request; row[i] is the KV slot of that request's token i.
@@ -34,14 +36,14 @@ class ReqToTokenPool:
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
         self.host[idx, start : start + len(slots)] = slots
         if self.host is not self.req_to_token:
-            self.req_to_token[idx, start : start + len(slots)] = slots.to(self.req_to_token.device, non_blocking=True)
+            self.req_to_token[idx, start : start + len(slots)] = to_device(slots.to(torch.int32), self.req_to_token.device)
 
     def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], cols[i]] = slots[i] (host tensors)."""
         self.host[rows, cols] = slots.to(torch.int32)
         if self.host is not self.req_to_token:
-            dev = self.req_to_token.device
-            self.req_to_token[rows.to(dev), cols.to(dev)] = slots.to(dev, torch.int32)
+            packed = to_device(torch.stack([rows, cols, slots.to(torch.int64)]), self.req_to_token.device)
+            self.req_to_token[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     def slots(self, idx: int, length: int) -> torch.Tensor:
         return self.host[idx, :length].to(torch.int64)

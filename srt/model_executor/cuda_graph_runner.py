@@ -42,6 +42,8 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.backend.init_cuda_graph_state(self.max_bs)
+        if hasattr(self.backend, "graph_bucket"):
+            self.backend.graph_bucket = self.bucket
         for bs in self.sizes:
             self.static[bs] = torch.tensor(self._padding(bs), dtype=torch.int64).to(dev)
             self.fbs[bs] = self._forward_batch(bs)
@@ -82,6 +84,9 @@ class CudaGraphRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GB", len(self.sizes),
                     self.sizes[0], self.max_bs, time.perf_counter() - start, used / 1e9)
 
+    def bucket(self, bs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, bs)] if bs <= self.max_bs else bs
+
     def can_run(self, bs: int, seq_lens: list[int]) -> bool:
         if bs > self.max_bs:
             return False
@@ -92,9 +97,9 @@ class CudaGraphRunner:
                out_cache_loc: torch.Tensor, future_map: torch.Tensor | None) -> torch.Tensor:
         """Logits [bs, vocab] (a view of the graph's output buffer, valid until the next replay)."""
         bs = len(seq_lens)
-        gbs = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        gbs = self.bucket(bs)
         pad = gbs - bs
-        host = torch.empty(5, gbs, dtype=torch.int64)
+        host = torch.empty(5, gbs, dtype=torch.int64, pin_memory=True)  # see srt.utils.to_device
         host[0, :bs] = torch.tensor(input_ids, dtype=torch.int64)
         host[1, :bs] = torch.tensor(positions, dtype=torch.int64)
         host[2, :bs] = torch.tensor(rows, dtype=torch.int64)

@@ -77,7 +77,7 @@ class ForwardBatch:
         if logits_indices is not None:
             parts.append(logits_indices)
         flat = [x for p in parts for x in p]
-        host = torch.empty(len(flat) + t, dtype=torch.int64)
+        host = torch.empty(len(flat) + t, dtype=torch.int64, pin_memory=device.type == "cuda")
         host[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
         host[len(flat):] = out_cache_loc
         dev = host.to(device, non_blocking=True)

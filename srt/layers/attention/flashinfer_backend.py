@@ -21,6 +21,7 @@ import torch
 from radixlm.kernels.kv_indices import build_kv_indices
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
+from radixlm.srt.utils import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class FlashInferMetadata:
 
 
 def _indptr(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).pin_memory()
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -59,7 +60,7 @@ class FlashInferAttnBackend(AttentionBackend):
         # Requests sharing a prefix each list its slots, so the page table can outgrow the pool.
         self.max_indices = max(4 * max_total_tokens, 1 << 22)
         self.kv_indices = torch.empty(self.max_indices, dtype=torch.int32, device=device)
-        self.ones = torch.ones(max(max_running, 1) + 1, dtype=torch.int32)
+        self.ones = torch.ones(max(max_running, 1) + 1, dtype=torch.int32).pin_memory()
         self.graph_wrappers: dict[int, object] = {}
         self.graph_indices: torch.Tensor | None = None
         self._planned: torch.cuda.Event | None = None
@@ -72,7 +73,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if total > self.kv_indices.shape[0]:
             self.kv_indices = torch.empty(total * 2, dtype=torch.int32, device=self.device)
         build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                         indptr.to(self.device, non_blocking=True), self.kv_indices)
+                         to_device(indptr, self.device), self.kv_indices)
         return indptr, self.kv_indices[:total]
 
     def _before_plan(self) -> None:
@@ -136,11 +137,27 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_decode(self.graph_wrappers[bs], fb)
 
     # --- start-up ------------------------------------------------------------------------------------------------
+    def prebuild(self) -> None:
+        """Compile the FA2 (decode with tensor cores) and FA3 (Hopper prefill) modules in one parallel ninja
+        run; the warm-up below then only loads them. Best effort: anything missed compiles on first use."""
+        try:
+            from flashinfer.jit import build_jit_specs, gen_batch_prefill_module
+            from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+
+            args = (self.dtype, self.kv_dtype, self.dtype, torch.int32, self.d, self.d, 0, False, False, False)
+            specs = [_gen_batch_prefill_primary_module("fa2", *args)]
+            if torch.cuda.get_device_capability(self.device)[0] == 9:
+                specs.append(gen_batch_prefill_module("fa3", *args))
+            build_jit_specs(specs)
+        except Exception as e:  # an API change must not stop the server: the warm-up compiles instead
+            logger.warning("FlashInfer parallel prebuild skipped (%s: %s)", type(e).__name__, e)
+
     def warmup(self) -> None:
         """Compile (or load from the cache) the kernels this backend runs, logging how long it took."""
         logger.info("FlashInfer: building/loading attention kernels (first start on a machine compiles them, "
                     "which takes minutes; the cache is kept under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)")
         start = time.perf_counter()
+        self.prebuild()
         q = torch.zeros(1, self.h, self.d, dtype=self.dtype, device=self.device)
         kv = torch.zeros(2, 2, self.kvh, self.d, dtype=self.kv_dtype, device=self.device)
         ind = torch.zeros(1, dtype=torch.int32, device=self.device)

@@ -28,8 +28,13 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, num_kv_heads: int, device: torch.device):
         self.num_kv_heads = num_kv_heads
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        # The CUDA graph runner sets this to the captured size a batch pads to, so an eager decode splits the KV
+        # exactly as the graph would and both give bit-identical results.
+        self.graph_bucket = None
 
     def _splits(self, bs: int) -> int:
+        if self.graph_bucket is not None:
+            bs = self.graph_bucket(bs)
         return decode_num_splits(bs, self.num_kv_heads, self.num_sms)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -1,0 +1,71 @@
+"""On CUDA: every attention backend against transformers and against each other, graphs vs eager, overlap
+on vs off. Tiny random checkpoints with 128-wide heads (the kernels the 8B shape runs).
+
+    python benchmarks/gpu/check_backends.py --tokenizer DIR --out OUT.json
+"""
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import radixlm  # noqa: E402
+from tests.helpers import forward_logits, hf_logits, make_tiny_checkpoint  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--tokenizer", required=True)
+ap.add_argument("--backends", nargs="+", default=["torch_native", "triton", "flashinfer"])
+ap.add_argument("--out", default=None)
+ap.add_argument("--device", default="cuda")
+args = ap.parse_args()
+dev = args.device
+tok = AutoTokenizer.from_pretrained(args.tokenizer)
+text = "The quick brown fox jumps over the lazy dog, and then some more words follow here."
+ids = tok(text)["input_ids"] * 6
+prompts = [ids[:n] for n in (5, 17, 40, 64, 81, 100, 33, 120)] + [ids[10:90]]
+greedy = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+sizes = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=1024)
+rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+rows, gen = [], {}
+for arch in ("llama", "qwen2", "qwen3"):
+    d = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / arch, arch, tokenizer=tok, tie=arch == "qwen3", **sizes)
+    _, ref32 = hf_logits(d, ids, dtype=torch.float32, device=dev)
+    _, ref16 = hf_logits(d, ids, dtype=torch.bfloat16, device=dev)
+    for backend in args.backends:
+        base = dict(dtype="bfloat16", device=dev, log_level="warning", max_total_tokens=8192,
+                    attention_backend=backend, cuda_graph_max_bs=16)
+        engine = radixlm.Engine(str(d), **base)
+        ours = forward_logits(engine, ids)
+        split = forward_logits(engine, ids, split=len(ids) // 3)
+        outs = {}
+        for name, kw in [("graph+overlap", {}), ("eager", {"disable_cuda_graph": True}),
+                         ("no-overlap", {"disable_overlap_schedule": True}),
+                         ("mixed", {"enable_mixed_chunk": True, "chunked_prefill_size": 64})]:
+            e = engine if not kw else radixlm.Engine(str(d), **base, **kw)
+            outs[name] = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=greedy)]
+            assert e.flush_cache() and e.scheduler.kv_pool.available_size() == e.scheduler.kv_pool.size
+            if e is not engine:
+                del e
+        gen[(arch, backend)] = outs["graph+overlap"]
+        row = {"arch": arch, "backend": backend, "ours_bf16_vs_hf_fp32": rel(ours, ref32),
+               "hf_bf16_vs_hf_fp32": rel(ref16, ref32), "two_extends_vs_one": rel(split, ours),
+               "top1_agree_fp32": (ours.argmax(-1) == ref32.argmax(-1)).float().mean().item(),
+               "cuda_graph": engine.runner.graph_runner is not None}
+        for name in ("eager", "no-overlap", "mixed"):
+            row[f"greedy64_same_{name}"] = sum(a == b for a, b in zip(outs[name], outs["graph+overlap"]))
+        row["greedy64_prompts"] = len(prompts)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del engine
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    for b in args.backends[1:]:
+        same = sum(x == y for x, y in zip(gen[(arch, args.backends[0])], gen[(arch, b)]))
+        print(f"{arch}: greedy-64 identical {args.backends[0]} vs {b}: {same}/{len(prompts)}", flush=True)
+        rows.append({"arch": arch, "pair": [args.backends[0], b], "greedy64_identical": same})
+if args.out:
+    Path(args.out).write_text(json.dumps(rows, indent=2))
