@@ -3,7 +3,8 @@
 # decode step times per backend (graphs and eager) beside the plain PyTorch CUDA-graph step, and the FlashInfer
 # modules it compiled packed into $DEST (parts under 16 MB) for later calls to carry back (.fi-cache), where they
 # are installed as FlashInfer's AOT modules, which load without ninja. Small results go to $DEST/results.tgz.
-# Usage (device tool): bash benchmarks/gpu/run_fastpath.sh DEST [stages...]   stages: test check decode pack
+# Usage (device tool): bash benchmarks/gpu/run_fastpath.sh DEST [stages...]
+#   stages: test check decode pack (the default), offline, serving
 set -u
 DEST=$1; shift
 STAGES=${*:-test check decode pack}
@@ -43,6 +44,14 @@ case " $STAGES " in *" decode "*)
   python benchmarks/bench_decode.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
     --attention-backend torch_native --batch-sizes 1 32 128 --context 512 --out "$OUT/decode_torch_native.json" 2>&1 | grep -v -i warn
   python .gpu-bundle/plain_graph_decode.py 1024 512 1,32,128 2>&1 | tee "$OUT/plain_graph.txt" ;; esac
+case " $STAGES " in *" offline "*)
+  python benchmarks/bench_offline.py --model-path $CFG --load-format dummy --tokenizer-path $TOK --workload random \
+    --num-prompts 256 --input-len 512 --output-len 256 --out "$OUT/offline_random.json" 2>&1 | grep -v -i warn
+  python benchmarks/bench_offline.py --model-path $CFG --load-format dummy --tokenizer-path $TOK --workload sharegpt \
+    --num-prompts 1000 --out "$OUT/offline_sharegpt.json" 2>&1 | grep -v -i warn ;; esac
+case " $STAGES " in *" serving "*)
+  bash benchmarks/gpu/run_serving.sh $TOK $OUT 2>&1 | tail -8
+  EXTRA="--enable-mixed-chunk" bash benchmarks/gpu/run_serving.sh $TOK $OUT/mixed 2>&1 | tail -8 ;; esac
 case " $STAGES " in *" pack "*)
   OPS=$(ls -d ~/.cache/flashinfer/*/*/cached_ops 2> /dev/null | head -1)
   [ -n "$OPS" ] && (cd "$OPS" && tar czf - */*.so) | split -b 15M - "$DEST/fi.tgz." ;; esac

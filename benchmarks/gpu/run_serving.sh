@@ -3,9 +3,10 @@
 # driven by bench_serving.py (random and shared-prefix datasets), then a clean SIGINT shutdown.
 # Usage (device tool): source .gpu-bundle/activate && bash benchmarks/gpu/run_serving.sh TOKENIZER_DIR OUT_DIR
 set -u
-TOK=$1; OUT=$2; PORT=${PORT:-30000}
+TOK=$1; OUT=$2; PORT=${PORT:-30000}; mkdir -p "$OUT"
+# EXTRA: more server flags (e.g. --enable-mixed-chunk, --attention-backend triton)
 python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
-    --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" > "$OUT/server.log" 2>&1 &
+    --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" ${EXTRA:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 URL=http://127.0.0.1:$PORT
 for _ in $(seq 600); do  # fail fast if the server dies while loading
@@ -19,10 +20,19 @@ python benchmarks/bench_serving.py --base-url $URL --label random-c32 --dataset 
     --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32.json" > /dev/null
 python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
+python benchmarks/bench_serving.py --base-url $URL --label random-c128 --dataset random --num-prompts 512 \
+    --input-len 512 --output-len 128 --max-concurrency 128 --eos-token-id 128001 --out "$OUT/random_c128.json" > /dev/null
 python benchmarks/bench_serving.py --base-url $URL --label shared-prefix --dataset shared-prefix --groups 8 \
     --num-prompts 128 --system-len 1500 --input-len 40 --output-len 64 --max-concurrency 64 --eos-token-id 128001 \
     --out "$OUT/shared_prefix.json" > /dev/null
-curl -s $URL/get_server_info > "$OUT/server_info.json"
+curl -s -X POST $URL/flush_cache > /dev/null
+curl -s $URL/get_server_info > "$OUT/server_info.json"  # after the flush: every KV slot must be free
+python - "$OUT/server_info.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+st = s["scheduler"]
+print("kv_free", st.get("kv_free"), "of", st.get("kv_total"), "OK" if st.get("kv_free") == st.get("kv_total") else "LEAK")
+PY
 kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
 python - "$OUT" <<'PY'
 import json, sys, pathlib
