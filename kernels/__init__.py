@@ -19,3 +19,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_precision(dtype) -> str:
+    """fp32 tiles multiply in full precision (Triton's default would round them to TF32 on the GPU)."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from radixlm.kernels import INTERPRET, next_pow2
+from radixlm.kernels import INTERPRET, dot_precision, next_pow2
 from radixlm.kernels._triton import tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -42,7 +42,7 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                    qk_scale, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -72,7 +72,7 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         if F32_DOT:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -80,7 +80,7 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         if F32_DOT:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     # An empty split (short request, many splits) stores lse = -inf, which stage 2 weighs as zero.
@@ -134,6 +134,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), sm_scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
+        DOT_PREC=dot_precision(q.dtype),
         num_warps=4, num_stages=2)
     _decode_stage2[(b, h)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.kernels import INTERPRET, next_pow2
+from radixlm.kernels import INTERPRET, dot_precision, next_pow2
 from radixlm.kernels._triton import tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -40,7 +40,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ex
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
                    stride_r2t, qk_scale,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -73,7 +73,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ex
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         if F32_DOT:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         # Key n is visible to query row m when n <= its position; column 0 always is, so no row is all -inf.
         qk = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -82,7 +82,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ex
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         if F32_DOT:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -113,5 +113,6 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), sm_scale * _LOG2E,
         GROUP=h // kvh, BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
+        DOT_PREC=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages)
     return out

@@ -12,7 +12,14 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def smollm_tokenizer():
-    """The embedded model's tokenizer (cached after the first conversion from GGUF)."""
+    """The embedded model's tokenizer (cached after the first conversion from GGUF); RADIXLM_TEST_TOKENIZER
+    names a saved copy instead, for machines without the GGUF (the GPU machine)."""
+    import os
+
+    if os.environ.get("RADIXLM_TEST_TOKENIZER"):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.environ["RADIXLM_TEST_TOKENIZER"])
     from radixlm.srt.model_loader.default_model import default_model_path
     from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
 

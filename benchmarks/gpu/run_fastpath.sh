@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# One device call: Triton kernels and backends tested on CUDA, all backends vs transformers and each other,
-# decode step times per backend (graphs and eager) beside the plain PyTorch CUDA-graph step, and the FlashInfer
-# modules it compiled packed into $DEST (parts under 16 MB) for later calls to carry back (.fi-cache), where they
-# are installed as FlashInfer's AOT modules, which load without ninja. Small results go to $DEST/results.tgz.
+# GPU runs for the fast path, in stages that each leave their results in DEST (the device tool's $OUT) as soon as
+# they finish, so a call cut off at its time limit still returns what it measured:
+#   test     Triton kernels, backends, scheduler and model tests on CUDA (tiny checkpoints)
+#   check    every attention backend vs transformers and each other; graphs vs eager, overlap on/off, mixed
+#   decode   decode step times per backend (graphs + eager) beside the plain PyTorch CUDA-graph step
+#   offline  bench_offline random 256 x 512/256 and ShareGPT-like 1000
+#   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
+# FlashInfer compiles its kernels in the background from the start (about 280 s on a fresh machine); stages and
+# backends that need it wait for it. BUDGET (s, default 570) bounds the whole call; BACKENDS picks backends.
 # Usage (device tool): bash benchmarks/gpu/run_fastpath.sh DEST [stages...]
-#   stages: test check decode pack (the default), offline, serving
 set -u
 DEST=$1; shift
-STAGES=${*:-test check decode pack}
-OUT=/tmp/results; mkdir -p $OUT
+STAGES=${*:-test check decode}
+BACKENDS=${BACKENDS:-triton torch_native flashinfer}
+BUDGET=${BUDGET:-570}
+exec > >(tee -a "$DEST/log.txt") 2>&1
+left() { local n=$((BUDGET - SECONDS)); echo $((n > 1 ? n : 1)); }
 source .gpu-bundle/activate
-TOK=.gpu-bundle/tokenizer
+TOK=$PWD/.gpu-bundle/tokenizer
 CFG=benchmarks/configs/llama-3.1-8b
-export MAX_JOBS=16
-if ls .fi-cache/fi.tgz.* > /dev/null 2>&1; then  # modules compiled by an earlier call
-  AOT=$(python -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)")
-  mkdir -p "$AOT" && cat .fi-cache/fi.tgz.* | tar xzf - -C "$AOT" && echo "flashinfer modules restored: $(ls $AOT | wc -l)"
-fi
+export MAX_JOBS=16 RADIXLM_TEST_TOKENIZER=$TOK
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-# FlashInfer compiles while the Triton tests run.
-python - > "$OUT/fi_build.log" 2>&1 <<'PY' &
+python - > "$DEST/fi_build.log" 2>&1 <<'PY' &
 import logging, time, torch
 logging.basicConfig(level=logging.INFO)
 from radixlm.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -31,28 +33,52 @@ b.warmup()
 print(f"flashinfer build+warmup {time.time() - t:.1f} s")
 PY
 FI=$!
-case " $STAGES " in *" test "*)
-  python -m pytest -q -p no:cacheprovider tests/kernels tests/srt/test_attention_backends.py 2>&1 | tail -4 ;; esac
-wait $FI; tail -2 "$OUT/fi_build.log"
-case " $STAGES " in *" check "*)
-  python benchmarks/gpu/check_backends.py --tokenizer $TOK --out "$OUT/check_backends.json" 2>&1 | grep -v -i "warn\|shards\|loading" ;; esac
-case " $STAGES " in *" decode "*)
-  for b in flashinfer triton; do
-    python benchmarks/bench_decode.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
-      --attention-backend $b --batch-sizes 1 32 128 --context 512 --eager --out "$OUT/decode_$b.json" 2>&1 | grep -v -i warn
+fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 "$DEST/fi_build.log"; }
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
+pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
+mkdir -p /tmp/r/{test,check,decode,offline,serving}
+if stage test; then
+  echo "== test ($(left) s left)"
+  timeout $(left) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
+    2>&1 | tail -40 | tee /tmp/r/test/pytest_kernels.txt
+  pack test
+  timeout $((BUDGET / 4)) python -m pytest -q -p no:cacheprovider --tb=short tests/srt/test_model_correctness.py \
+    tests/srt/test_scheduler.py 2>&1 | tail -40 | tee /tmp/r/test/pytest_engine.txt
+  pack test
+fi
+if stage check; then
+  for b in $BACKENDS; do
+    fi_ready $b; echo "== check $b ($(left) s left)"
+    timeout $(left) python benchmarks/gpu/check_backends.py --tokenizer $TOK --backends $b \
+      --out /tmp/r/check/check_$b.json 2>&1 | grep -v -i "warn\|shards\|loading"
+    pack check
   done
-  python benchmarks/bench_decode.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
-    --attention-backend torch_native --batch-sizes 1 32 128 --context 512 --out "$OUT/decode_torch_native.json" 2>&1 | grep -v -i warn
-  python .gpu-bundle/plain_graph_decode.py 1024 512 1,32,128 2>&1 | tee "$OUT/plain_graph.txt" ;; esac
-case " $STAGES " in *" offline "*)
-  python benchmarks/bench_offline.py --model-path $CFG --load-format dummy --tokenizer-path $TOK --workload random \
-    --num-prompts 256 --input-len 512 --output-len 256 --out "$OUT/offline_random.json" 2>&1 | grep -v -i warn
-  python benchmarks/bench_offline.py --model-path $CFG --load-format dummy --tokenizer-path $TOK --workload sharegpt \
-    --num-prompts 1000 --out "$OUT/offline_sharegpt.json" 2>&1 | grep -v -i warn ;; esac
-case " $STAGES " in *" serving "*)
-  bash benchmarks/gpu/run_serving.sh $TOK $OUT 2>&1 | tail -8
-  EXTRA="--enable-mixed-chunk" bash benchmarks/gpu/run_serving.sh $TOK $OUT/mixed 2>&1 | tail -8 ;; esac
-case " $STAGES " in *" pack "*)
-  OPS=$(ls -d ~/.cache/flashinfer/*/*/cached_ops 2> /dev/null | head -1)
-  [ -n "$OPS" ] && (cd "$OPS" && tar czf - */*.so) | split -b 15M - "$DEST/fi.tgz." ;; esac
-tar czf "$DEST/results.tgz" -C $OUT . && ls -la "$DEST"
+fi
+if stage decode; then
+  timeout $(left) python .gpu-bundle/plain_graph_decode.py 1024 512 1,32,128 2>&1 | tee /tmp/r/decode/plain_graph.txt
+  for b in $BACKENDS; do
+    fi_ready $b; echo "== decode $b ($(left) s left)"
+    timeout $(left) python benchmarks/bench_decode.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
+      --attention-backend $b --batch-sizes 1 32 128 --context 512 --eager --out /tmp/r/decode/decode_$b.json 2>&1 \
+      | grep -v -i warn
+    pack decode
+  done
+fi
+if stage offline; then
+  fi_ready flashinfer; echo "== offline ($(left) s left)"
+  timeout $(left) python benchmarks/bench_offline.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
+    --workload random --num-prompts 256 --input-len 512 --output-len 256 --out /tmp/r/offline/offline_random.json 2>&1 | grep -v -i warn
+  pack offline
+  timeout $(left) python benchmarks/bench_offline.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
+    --workload sharegpt --num-prompts 1000 --out /tmp/r/offline/offline_sharegpt.json 2>&1 | grep -v -i warn
+  pack offline
+fi
+if stage serving; then
+  fi_ready flashinfer; echo "== serving ($(left) s left)"
+  timeout $(left) bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/default 2>&1 | tail -8
+  pack serving
+  EXTRA="--enable-mixed-chunk" timeout $(left) bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed 2>&1 | tail -8
+  pack serving
+fi
+kill $FI 2> /dev/null
+echo "done in $SECONDS s"
