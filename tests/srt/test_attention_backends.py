@@ -18,8 +18,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _triton_engine(path, **kw):
     from radixlm.srt.layers.ops import triton_ops
 
+    # fp32 on CUDA too (its default would be bf16): the bounds below are for the math, not for rounding
     engine = radixlm.Engine(str(path), log_level="warning", max_total_tokens=2048, attention_backend="triton",
-                            device=DEVICE, **kw)
+                            device=DEVICE, dtype="float32", **kw)
     engine.runner.model.set_kernel_ops(triton_ops())  # on CPU the runner would pick the torch references
     return engine
 
