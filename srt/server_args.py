@@ -55,6 +55,10 @@ class ServerArgs:
                                         "by default, where the forward is asynchronous); for tests")
     enable_mixed_chunk: bool = _opt(False, "let running requests decode in the same batch as a prefill chunk")
     grammar_backend: str = _opt("outlines", "constrained decoding backend", ("outlines", "xgrammar", "none"))
+    grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile before its request fails "
+                                          "with a 400")
+    disable_jump_forward: bool = _opt(False, "sample grammar-forced text token by token instead of appending "
+                                      "it in one extend")
 
     def __post_init__(self) -> None:
         if self.tp_size != 1:
@@ -65,6 +69,8 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
         if self.max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.stream_interval <= 0:

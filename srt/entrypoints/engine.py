@@ -98,7 +98,8 @@ class Engine:
             ids, text = tokenize(self.tokenizer, p)
             reqs += expand(PreparedInput(ids, text, sp), rid=r if r is not None else f"engine-{next(self._ids)}",
                            eos_ids=eos, rng=self._rng, return_logprob=return_logprob,
-                           top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream)
+                           top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream,
+                           grammar_backend=self.server_args.grammar_backend)
         taken = [r.rid for r in reqs if r.rid in self._state]
         if taken or len({r.rid for r in reqs}) != len(reqs):
             raise InvalidRequest(f"request id {(taken or [reqs[0].rid])[0]!r} is already in use", param="rid")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.srt.constrained.bitmask import apply_bitmask
+
 _M32 = 0xFFFFFFFF
 
 
@@ -52,6 +54,7 @@ class SamplingBatchInfo:
     bias: torch.Tensor | None = None  # [B, V] float added to the logits (logit_bias)
     top_logprobs_num: int = 0
     return_logprob: bool = False
+    vocab_mask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 bitmask of grammar-allowed tokens
 
 
 @dataclass
@@ -82,6 +85,8 @@ class Sampler:
             logits = logits + info.bias
         if info.banned is not None:
             logits = logits.masked_fill(info.banned, float("-inf"))
+        if info.vocab_mask is not None:  # last: a grammar's choice overrides min_new_tokens' EOS ban
+            logits = apply_bitmask(logits, info.vocab_mask)
         greedy_ids = logits.argmax(-1)
         if info.all_greedy:
             return greedy_ids

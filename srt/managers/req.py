@@ -21,6 +21,8 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position to return logprobs for; -1: none
     stream: bool = False
+    grammar_spec: object = None  # GrammarSpec when constrained
+    grammar: object = None  # its Matcher, once compiled (the request waits in the grammar queue until then)
 
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping: fill_ids[:kv_len] have KV in the slots of row `req_pool_idx`; the first

@@ -102,9 +102,15 @@ def stop_token_ids(params: SamplingParams, eos_ids: list[int]) -> frozenset[int]
 
 def expand(prepared: PreparedInput, *, rid: str | None, eos_ids: list[int], rng: random.Random,
            return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
-           stream: bool = False) -> list[Req]:
-    """One Req per sample (`n`); samples of one prompt share its KV through the radix cache."""
+           stream: bool = False, grammar_backend: str | None = None) -> list[Req]:
+    """One Req per sample (`n`); samples of one prompt share its KV through the radix cache. With
+    `grammar_backend`, a grammar that backend cannot enforce is rejected here (400 naming the feature)."""
     p = prepared.params
+    spec = p.grammar()
+    if spec is not None and grammar_backend is not None:
+        from radixlm.srt.constrained.spec import check_supported
+
+        check_supported(spec, grammar_backend)
     base = rid or uuid.uuid4().hex
     reqs = []
     for i in range(p.n):
@@ -115,7 +121,8 @@ def expand(prepared: PreparedInput, *, rid: str | None, eos_ids: list[int], rng:
         reqs.append(Req(rid=base if p.n == 1 else f"{base}-{i}", input_ids=prepared.input_ids, sampling_params=p,
                         seed=seed, stop_token_ids=stop_token_ids(p, eos_ids), return_logprob=return_logprob,
                         top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                        logprob_start_len=logprob_start_len if return_logprob else -1, stream=stream))
+                        logprob_start_len=logprob_start_len if return_logprob else -1, stream=stream,
+                        grammar_spec=spec))
     return reqs
 
 

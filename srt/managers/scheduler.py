@@ -28,6 +28,7 @@ from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.managers.schedule_batch import ScheduledBatch, build_decode, build_extend, sampling_info
 from radixlm.srt.managers.schedule_policy import SchedulePolicy
 from radixlm.srt.managers.schedule_prefill import schedule_extend
+from radixlm.srt.managers.scheduler_grammar import SchedulerGrammar
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardMode
 from radixlm.srt.utils import to_device
@@ -90,11 +91,16 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.last_step: dict = {}
         self._outputs: list[TokenOutput] = []
+        self.grammar = SchedulerGrammar(args, tokenizer, runner.vocab_size, runner.config.eos_token_ids,
+                                        runner.device)
 
     # --- public interface ----------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.validate(req)
-        self.waiting.append(req)
+        if req.grammar_spec is not None and req.grammar is None:
+            self.grammar.submit(req)  # joins `waiting` once its grammar is compiled
+        else:
+            self.waiting.append(req)
 
     def validate(self, req: Req) -> None:
         """Check a request against the model and memory limits and resolve its max_new_tokens."""
@@ -115,13 +121,22 @@ class Scheduler:
             r, self.chunked = self.chunked, None
             self._finish_abort(r, notify)
             return True
+        r = self.grammar.remove(rid)
+        if r is not None:
+            self._finish_abort(r, notify)
+            return True
         return False
 
     def has_work(self) -> bool:
+        return self._runnable() or bool(self.grammar.queue)
+
+    def _runnable(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._outputs or self.inflight)
 
     def step(self) -> list[TokenOutput]:
         start = time.perf_counter()
+        if self.grammar.queue:
+            self._poll_grammars()
         outputs, self._outputs = self._outputs, []
         batch = self._schedule()
         if batch is not None:
@@ -142,6 +157,14 @@ class Scheduler:
         self.stats.busy_seconds += time.perf_counter() - start
         return outputs
 
+    def _poll_grammars(self) -> None:
+        ready, failed = self.grammar.poll()
+        self.waiting += ready
+        for r, err in failed:
+            self._finish_abort(r, notify=True, message=err.message, status_code=400, param=err.param)
+        if not ready and not failed and not self._runnable():
+            self.grammar.wait_briefly()
+
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while requests are in flight."""
         if self.waiting or self.running or self.chunked:
@@ -159,7 +182,7 @@ class Scheduler:
                  evicted_tokens=self.tree_cache.evicted_tokens,
                  gen_throughput=self.stats.generated_tokens / self.stats.busy_seconds if self.stats.busy_seconds else 0.0,
                  new_token_ratio=self.new_token_ratio, last_step=self.last_step, overlap=self.overlap,
-                 attention_backend=self.runner.attn_backend_name,
+                 attention_backend=self.runner.attn_backend_name, grammar=asdict(self.grammar.stats()),
                  cuda_graph=self.runner.graph_runner is not None)
         s["kv_used"] = s["kv_total"] - s["kv_free"] - s["kv_evictable"]
         return s
@@ -269,6 +292,9 @@ class Scheduler:
                 n = len(batch.sample_reqs)
                 logits = batch.logits
                 info = sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device) if n else None
+                if n:  # grammar masks from the matchers as they are after the previous step's tokens
+                    info.vocab_mask = self.grammar.batch_mask(batch.sample_reqs,
+                                                              [batch.is_current(i) for i in batch.sample_pos])
                 extra = None
                 if batch.lp_next:
                     lp = torch.log_softmax(logits[n:], dim=-1)
@@ -335,6 +361,8 @@ class Scheduler:
             outputs.append(self._append_token(r, sampled, j))
             if r.finished:
                 self._release(r)
+            elif r.req_pool_idx is None:
+                pass  # jumped forward: back in the waiting queue
             elif batch.mode is ForwardMode.EXTEND and batch.extend_lens[i] > 1:
                 self._publish_prefix(r)  # share the prompt with others while this request decodes
         return outputs
@@ -364,8 +392,54 @@ class Scheduler:
                 k = r.top_logprobs_num
                 top = [list(zip(sampled.top_logprobs[i][:k], sampled.top_ids[i][:k]))]
                 r.output_top_logprobs += top
+        new_ids, done = [token], False
+        if r.grammar is not None:
+            done = self.grammar.accept(r, token)
+            if not done:
+                jumped = self._jump_forward(r)
+                if jumped is not None:
+                    new_ids = jumped
+                    done = r.grammar.is_terminated()
         r.check_finished(self.tokenizer, self.context_length)
-        return self._output(r, [token], lp, top)
+        if done and not r.finished:  # the grammar is complete: stop without waiting for EOS
+            r.finished_reason = {"type": "stop", "matched": None}
+        return self._output(r, new_ids, lp, top)
+
+    def _jump_forward(self, r: Req) -> list[int] | None:
+        """Append the text the grammar forces after the token just sampled (see scheduler_grammar); returns the
+        tokens this step adds in place of that one, or None."""
+        room = min(r.max_new_tokens - len(r.output_ids), self.context_length - len(r.fill_ids) - 1)
+        jf = self.grammar.forced_tokens(r, room)
+        if jf is None:
+            return None
+        back, new = jf
+        start = len(r.output_ids) - 1  # where this step's output begins
+        # KV is only trusted before this step's token: a step already in flight may be computing that token's
+        # KV, and the jump may have re-tokenized it.
+        self._truncate_kv(r, len(r.input_ids) + start)
+        del r.output_ids[len(r.output_ids) - back:]
+        r.output_ids += new
+        self.grammar.jf_tokens += len(new) - back
+        self.grammar.jf_events += 1
+        r.epoch += 1  # a token for it still in flight is stale now
+        r.pending_ref = None
+        if r.grammar.is_terminated():
+            return r.output_ids[start:]  # finishes now; _process releases it
+        # Back to the queue: admission finds the earlier tokens in the radix cache and one extend computes the
+        # forced ones and samples the next token.
+        if r in self.running:
+            self.running.remove(r)
+        self._free_kv(r)
+        self.waiting.insert(0, r)
+        return r.output_ids[start:]
+
+    def _truncate_kv(self, r: Req, n: int) -> None:
+        if r.req_pool_idx is None or r.kv_len <= n:
+            return
+        n = max(n, len(r.prefix_slots))
+        slots = self.req_pool.slots(r.req_pool_idx, r.kv_len)
+        self.kv_pool.free(slots[n:])
+        r.kv_len = n
 
     def _output(self, r: Req, new_ids: list[int], lp=None, top=None) -> TokenOutput:
         out = TokenOutput(rid=r.rid, new_ids=new_ids, prompt_tokens=len(r.input_ids),
@@ -404,12 +478,15 @@ class Scheduler:
         self.stats.finished_requests += 1
 
     def _finish_abort(self, r: Req, notify: bool, message: str = "request aborted",
-                      status_code: int | None = None) -> None:
+                      status_code: int | None = None, param: str | None = None) -> None:
         self._free_kv(r)
         r.pending_ref = None
+        r.grammar = None
         r.finished_reason = {"type": "abort", "message": message}
         if status_code is not None:  # a failure, not a client's abort: the HTTP layer answers with this status
             r.finished_reason["status_code"] = status_code
+        if param is not None:
+            r.finished_reason["param"] = param
         self.stats.aborted_requests += 1
         if notify:
             self._outputs.append(self._output(r, []))

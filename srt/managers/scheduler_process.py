@@ -101,7 +101,7 @@ class SchedulerLoop:
             req = Req(rid=msg.rid, input_ids=msg.input_ids, sampling_params=params, seed=msg.seed,
                       stop_token_ids=stop_token_ids(params, self.eos_ids), return_logprob=msg.return_logprob,
                       top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
-                      stream=msg.stream)
+                      stream=msg.stream, grammar_spec=params.grammar())
             self.scheduler.add(req)
         except RadixLMError as e:  # the tokenizer manager checks first; this is the backstop
             reason = {"type": "abort", "message": e.message, "status_code": e.status, "param": e.param}

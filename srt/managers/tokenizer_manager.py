@@ -124,7 +124,8 @@ class TokenizerManager:
             check_request_limits(prepared.input_ids, prepared.params, self.context_length,
                                  self.kv_size, self.vocab_size)
             for r in expand(prepared, rid=rid, eos_ids=self.eos_ids, rng=self._rng, return_logprob=return_logprob,
-                            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream):
+                            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream,
+                            grammar_backend=self.args.grammar_backend):
                 reqs.append((i, prepared, r))
         clash = [r.rid for _, _, r in reqs if r.rid in self.states]
         if clash or len({r.rid for _, _, r in reqs}) != len(reqs):

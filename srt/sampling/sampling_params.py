@@ -43,6 +43,10 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    # Constrained decoding (at most one): a JSON schema (object or JSON text), a regex, an EBNF grammar.
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -96,6 +100,15 @@ class SamplingParams:
             self.logit_bias = bias or None
         if self.top_k == 0:
             self.top_k = -1
+        spec = self.grammar()  # raises GrammarError (400) naming the problem
+        if spec is not None and spec.kind == "json_schema":
+            self.json_schema = spec.spec  # canonical text: what crosses the wire and keys the grammar cache
+
+    def grammar(self):
+        """The request's grammar as a GrammarSpec, or None when unconstrained."""
+        from radixlm.srt.constrained.spec import grammar_spec
+
+        return grammar_spec(self.json_schema, self.regex, self.ebnf)
 
     @property
     def is_greedy(self) -> bool:

@@ -1,0 +1,150 @@
+"""outlines-core: regex and JSON schema (through its schema-to-regex translation) as a DFA indexed over our
+tokenizer's vocabulary. No EBNF. It knows one EOS id; other stop ids are allowed wherever EOS is."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import torch
+
+from radixlm.srt.constrained.base import CompiledGrammar, GrammarBackend, GrammarSpec, Matcher
+from radixlm.srt.constrained.vocab import token_bytes
+from radixlm.srt.errors import GrammarError
+
+_MAX_ROLLBACK = 64
+_JF_MAX_ALLOWED = 64  # a state allowing more tokens than this has no forced text worth looking for
+_JF_MAX_CHARS = 256
+
+
+def choices_regex(choices: list[str]) -> str:
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+class OutlinesCompiled(CompiledGrammar):
+    def __init__(self, index, backend: "OutlinesBackend"):
+        self.index = index
+        self.backend = backend
+
+    def matcher(self) -> Matcher:
+        return OutlinesMatcher(self)
+
+
+class OutlinesMatcher(Matcher):
+    def __init__(self, compiled: OutlinesCompiled):
+        from outlines_core import Guide
+
+        self.index = compiled.index
+        self.b = compiled.backend
+        self.guide = Guide(self.index, max_rollback=_MAX_ROLLBACK)
+        self.stopped = False  # accepted a stop token at a final state
+
+    def accept(self, token: int) -> bool:
+        if self.stopped:
+            return False
+        if token in self.b.stop_ids:
+            if self.guide.is_finished():
+                self.stopped = True
+                return True
+            return False
+        try:
+            self.guide.advance(token, return_tokens=False)
+        except ValueError:
+            return False
+        return True
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        view = bitmask[row]
+        self.guide.write_mask_into(view.data_ptr(), view.numel(), 4)
+        eos = self.b.eos_id
+        if (int(view[eos // 32]) >> (eos % 32)) & 1:
+            for t in self.b.stop_ids:  # every stop id may end the text where EOS may
+                view[t // 32] |= _bit(t % 32)
+
+    def is_terminated(self) -> bool:
+        return self.stopped or (self.guide.is_finished() and self.guide.get_tokens() == [self.b.eos_id])
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if self.stopped:
+            self.stopped = False
+            n -= 1
+        if n:
+            self.guide.rollback_state(n)
+
+    def forced_continuation(self) -> str:
+        """Walk the DFA while every allowed token starts with the same bytes (and EOS is not allowed)."""
+        state, out = self.guide.get_state(), b""
+        idx, by_id, eos = self.index, self.b.tokens.by_id, self.b.eos_id
+        while len(out) < _JF_MAX_CHARS:
+            allowed = idx.get_allowed_tokens(state)
+            if not allowed or len(allowed) > _JF_MAX_ALLOWED or eos in allowed:
+                break
+            texts = [by_id[t] for t in allowed if t in by_id]
+            lcp = _common_prefix(texts)
+            if not lcp:
+                break
+            exact = [t for t in allowed if by_id.get(t) == lcp]
+            out += lcp
+            if not exact:
+                break
+            state = idx.get_next_state(state, exact[0])
+            if state is None:
+                break
+        return out.decode("utf-8", errors="ignore")
+
+
+def _bit(j: int) -> int:
+    return -(1 << 31) if j == 31 else 1 << j  # int32 words
+
+
+def _common_prefix(texts: list[bytes]) -> bytes:
+    if not texts:
+        return b""
+    lo, hi = min(texts), max(texts)
+    n = 0
+    while n < len(lo) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n]
+
+
+class OutlinesBackend(GrammarBackend):
+    name = "outlines"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        from outlines_core import Vocabulary
+
+        self.tokens = token_bytes(tokenizer)
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else stop_ids[0]
+        self.stop_ids = frozenset(stop_ids) | {self.eos_id}
+        table: dict[bytes, list[int]] = {}
+        for i, b in self.tokens.by_id.items():
+            if i < vocab_size and i not in self.stop_ids:
+                table.setdefault(b, []).append(i)
+        self.vocabulary = Vocabulary(self.eos_id, table)
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        from outlines_core import Index
+        from outlines_core.json_schema import build_regex_from_schema
+
+        if spec.kind == "ebnf":
+            raise GrammarError("EBNF grammars are not supported by the outlines grammar backend; start the "
+                               "server with --grammar-backend xgrammar", param="ebnf")
+        if spec.kind == "regex":
+            regex = spec.spec
+        elif spec.kind == "choices":
+            regex = choices_regex(json.loads(spec.spec))
+        elif spec.kind == "json_object":
+            regex = build_regex_from_schema(json.dumps({"type": "object"}))
+        else:
+            try:
+                regex = build_regex_from_schema(spec.spec)
+            except Exception as e:  # its errors are ValueErrors and Rust panics alike
+                raise GrammarError(f"the JSON schema cannot be compiled: {e}", param="json_schema") from None
+        try:
+            return OutlinesCompiled(Index(regex, self.vocabulary), self)
+        except Exception as e:
+            param = "regex" if spec.kind == "regex" else spec.kind
+            raise GrammarError(f"the {spec.describe()} cannot be compiled: {e}", param=param) from None

@@ -1,0 +1,75 @@
+"""What users send, checked where requests enter: a grammar's sampling parameters into one GrammarSpec, with
+a 400 naming the problem for anything a backend cannot express (instead of a crash or a silently
+unconstrained answer)."""
+from __future__ import annotations
+
+import json
+import re
+
+from radixlm.srt.constrained.base import GrammarSpec
+from radixlm.srt.errors import GrammarError
+
+MAX_SPEC_CHARS = 200_000
+_LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]")
+
+
+def parse_json_schema(value) -> str:
+    """A schema given as an object or as JSON text, as compact JSON text (key order kept: it is the order the
+    fields are generated in)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"json_schema is not valid JSON: {e}", param="json_schema") from None
+    if not isinstance(value, (dict, bool)):
+        raise GrammarError("json_schema must be a JSON object (a schema)", param="json_schema")
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def grammar_spec(json_schema=None, regex=None, ebnf=None) -> GrammarSpec | None:
+    given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise GrammarError(f"give at most one of json_schema, regex and ebnf (got {', '.join(k for k, _ in given)})",
+                           param=given[1][0])
+    kind, value = given[0]
+    if kind == "json_schema":
+        text = parse_json_schema(value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise GrammarError(f"{kind} must be a non-empty string", param=kind)
+        text = value
+    if len(text) > MAX_SPEC_CHARS:
+        raise GrammarError(f"{kind} is longer than {MAX_SPEC_CHARS} characters", param=kind)
+    if kind == "regex":
+        check_regex(text)
+    return GrammarSpec(kind, text)
+
+
+def check_regex(regex: str) -> None:
+    if _LOOKAROUND.search(regex):
+        raise GrammarError("regex: lookaround assertions and backreferences are not supported (grammar engines "
+                           "match with finite automata)", param="regex")
+    try:
+        re.compile(regex)
+    except re.error as e:
+        raise GrammarError(f"regex is not a valid regular expression: {e}", param="regex") from None
+
+
+def check_supported(spec: GrammarSpec, backend: str) -> None:
+    """Reject at the edge what `backend` cannot express or would not enforce."""
+    if backend == "none":
+        raise GrammarError("structured output is disabled on this server (--grammar-backend none)",
+                           param=spec.kind)
+    if spec.kind == "ebnf" and backend == "outlines":
+        raise GrammarError("EBNF grammars are not supported by the outlines grammar backend; start the server "
+                           "with --grammar-backend xgrammar", param="ebnf")
+    if spec.kind == "json_schema":
+        from radixlm.srt.constrained.schema_support import unsupported_keyword
+
+        found = unsupported_keyword(json.loads(spec.spec), backend)
+        if found:
+            path, keyword, why = found
+            raise GrammarError(f"json_schema: {keyword!r} at {path} is not supported by the {backend} grammar "
+                               f"backend ({why})", param="json_schema")

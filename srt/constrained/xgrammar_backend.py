@@ -1,0 +1,90 @@
+"""xgrammar: JSON schema, regex, EBNF (GBNF-style), any-JSON, compiled to a pushdown automaton with fast masks,
+native jump-forward strings and rollback."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from radixlm.srt.constrained.base import CompiledGrammar, GrammarBackend, GrammarSpec, Matcher, popcount_row
+from radixlm.srt.constrained.outlines_backend import choices_regex
+from radixlm.srt.errors import GrammarError
+
+_MAX_ROLLBACK = 64
+
+
+class XGrammarCompiled(CompiledGrammar):
+    def __init__(self, compiled, backend: "XGrammarBackend"):
+        self.compiled = compiled
+        self.backend = backend
+
+    def matcher(self) -> Matcher:
+        return XGrammarMatcher(self)
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, c: XGrammarCompiled):
+        import xgrammar
+
+        self.b = c.backend
+        self.m = xgrammar.GrammarMatcher(c.compiled, max_rollback_tokens=_MAX_ROLLBACK)
+
+    def accept(self, token: int) -> bool:
+        return not self.m.is_terminated() and self.m.accept_token(token)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        if self.m.is_terminated():
+            return True
+        if not self.m.is_completed():
+            return False
+        # Complete; terminated if only stop tokens may follow.
+        scratch = self.b.scratch
+        self.m.fill_next_token_bitmask(scratch, 0)
+        return popcount_row(scratch, 0) <= self.b.allowed_stop_count(scratch)
+
+    def rollback(self, n: int) -> None:
+        if n > 0:
+            self.m.rollback(n)
+
+    def forced_continuation(self) -> str:
+        return self.m.find_jump_forward_string()
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], threads: int = 2):
+        import xgrammar
+
+        self.xgr = xgrammar
+        self.stop_ids = sorted(set(stop_ids))
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
+        self.scratch = xgrammar.allocate_token_bitmask(1, vocab_size)
+
+    def allowed_stop_count(self, bitmask: torch.Tensor) -> int:
+        words = bitmask[0]
+        return sum((int(words[t // 32]) >> (t % 32)) & 1 for t in self.stop_ids)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        c = self.compiler
+        try:
+            if spec.kind == "json_schema":
+                compiled = c.compile_json_schema(spec.spec, any_whitespace=False)
+            elif spec.kind == "json_object":
+                compiled = c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.spec)
+            elif spec.kind == "choices":
+                compiled = c.compile_regex(choices_regex(json.loads(spec.spec)))
+            else:
+                compiled = c.compile_grammar(spec.spec)
+        except Exception as e:  # RuntimeError with the parser's message
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            msg = msg.split("] ", 1)[-1]  # drop xgrammar's "[time] file:line:" prefix
+            param = {"json_object": "response_format"}.get(spec.kind, spec.kind)
+            raise GrammarError(f"the {spec.describe()} cannot be compiled: {msg}", param=param) from None
+        return XGrammarCompiled(compiled, self)

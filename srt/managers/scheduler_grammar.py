@@ -1,0 +1,177 @@
+"""The scheduler's side of constrained decoding: the grammar queue (requests wait there, off the batch, until a
+worker thread has compiled their grammar), the token bitmask of each sampled batch (filled on the host while the
+forward runs, then one copy to the device), token acceptance, and jump-forward.
+
+Jump-forward: when a request's grammar allows exactly one continuation (a JSON key, punctuation, a fixed
+field), that text is appended at once instead of being sampled token by token. The last sampled token and the
+forced text are tokenized together, so the boundary is what the tokenizer would produce; the request then goes
+back to the waiting queue and one extend computes all of it, its earlier tokens found again in the radix cache.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.srt.constrained.bitmask import allocate
+from radixlm.srt.constrained.manager import GrammarManager, GrammarTicket, create_backend
+from radixlm.srt.errors import GrammarError
+from radixlm.srt.utils import to_device
+
+logger = logging.getLogger(__name__)
+
+_JF_MIN_TOKENS = 2  # a forced continuation shorter than this is cheaper to sample than to re-extend
+_IDLE_WAIT_S = 0.005
+
+
+class _LazyBackend:
+    """Builds the real backend on first use, in a worker thread: the vocabulary index takes a second or more,
+    which a server that never sees a grammar should not pay at start-up."""
+
+    def __init__(self, name: str, tokenizer, vocab_size: int, stop_ids: list[int]):
+        self.name = name
+        self._args = (tokenizer, vocab_size, stop_ids)
+        self._backend = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._backend is None:
+                self._backend = create_backend(self.name, *self._args)
+            return self._backend
+
+    def compile(self, spec):
+        return self.get().compile(spec)
+
+
+@dataclass
+class GrammarStatsView:
+    waiting: int
+    compiles: int
+    cache_hits: int
+    failures: int
+    timeouts: int
+    jump_forward_tokens: int
+    jump_forward_events: int
+
+
+class SchedulerGrammar:
+    def __init__(self, args, tokenizer, vocab_size: int, stop_ids: list[int], device: torch.device):
+        self.backend_name = args.grammar_backend
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.device = device
+        self.jump_forward = not args.disable_jump_forward
+        self.manager = None
+        if args.grammar_backend != "none":
+            lazy = _LazyBackend(args.grammar_backend, tokenizer, vocab_size, stop_ids)
+            self.manager = GrammarManager(lazy, timeout=args.grammar_compile_timeout)
+        self.queue: list[tuple[object, GrammarTicket]] = []  # (Req, ticket)
+        self._mask = None
+        self.jf_tokens = 0
+        self.jf_events = 0
+
+    # --- the grammar queue ---------------------------------------------------------------------------------
+    def submit(self, req) -> None:
+        if self.manager is None:
+            raise GrammarError("structured output is disabled on this server (--grammar-backend none)",
+                               param=req.grammar_spec.kind)
+        self.queue.append((req, self.manager.request(req.grammar_spec)))
+
+    def poll(self) -> tuple[list, list[tuple[object, GrammarError]]]:
+        """Requests whose grammar is ready (matcher attached), and requests whose compile failed."""
+        ready, failed, keep = [], [], []
+        for req, ticket in self.queue:
+            result = ticket.poll()
+            if result is None:
+                keep.append((req, ticket))
+            elif isinstance(result, GrammarError):
+                if "took longer than" in result.message:
+                    self.manager.stats.timeouts += 1
+                    self.manager.forget(req.grammar_spec)  # a later request may try again
+                failed.append((req, result))
+            else:
+                try:
+                    req.grammar = result.matcher()
+                    ready.append(req)
+                except Exception as e:  # noqa: BLE001 - a matcher that cannot start fails its request only
+                    failed.append((req, GrammarError(f"the {req.grammar_spec.describe()} cannot be used: {e}",
+                                                     param=req.grammar_spec.kind)))
+        self.queue = keep
+        return ready, failed
+
+    def remove(self, rid: str):
+        for i, (req, _) in enumerate(self.queue):
+            if req.rid == rid:
+                del self.queue[i]
+                return req
+        return None
+
+    def wait_briefly(self) -> None:
+        """Nothing else to do: block a few ms on the compiles instead of spinning."""
+        if self.queue:
+            concurrent.futures.wait([t.future for _, t in self.queue], timeout=_IDLE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    # --- masks ---------------------------------------------------------------------------------------------
+    def batch_mask(self, reqs: list, current: list[bool]) -> torch.Tensor | None:
+        """The [B, ceil(V / 32)] allowed-token bitmask on the device for a batch's sampled rows, or None when no
+        row is constrained. Rows of unconstrained or stale requests allow everything."""
+        rows = [i for i, (r, cur) in enumerate(zip(reqs, current)) if cur and r.grammar is not None]
+        if not rows:
+            return None
+        n = len(reqs)
+        if self._mask is None or self._mask.shape[0] < n:
+            self._mask = allocate(max(n, 64), self.vocab_size, pin=self.device.type == "cuda")
+        mask = self._mask[:n]
+        mask.fill_(-1)
+        for i in rows:
+            reqs[i].grammar.fill_mask(mask, i)
+        return to_device(mask, self.device)
+
+    def accept(self, req, token: int) -> bool:
+        """Feed a sampled token to the request's matcher; True when the grammar is complete."""
+        m = req.grammar
+        if not m.accept(token):  # only possible when every allowed token was masked by something else
+            logger.warning("request %s: token %d is not allowed by its grammar", req.rid, token)
+            return True
+        return m.is_terminated()
+
+    # --- jump-forward --------------------------------------------------------------------------------------
+    def forced_tokens(self, req, room: int) -> tuple[int, list[int]] | None:
+        """(tokens to take back, tokens to append) when the grammar forces text after the request's last token;
+        None when there is nothing worth jumping over. At most `room` tokens are appended."""
+        if not self.jump_forward or req.grammar is None or req.return_logprob or not req.output_ids:
+            return None
+        text = req.grammar.forced_continuation()
+        if not text:
+            return None
+        last = req.output_ids[-1]
+        merged = self.tokenizer.encode(self.tokenizer.decode([last]) + text, add_special_tokens=False)
+        if merged and merged[0] == last:
+            back, new = 0, merged[1:]
+        else:
+            back, new = 1, merged
+        if len(new) - back < _JF_MIN_TOKENS or len(new) - back > room:
+            return None
+        m = req.grammar
+        m.rollback(back)
+        for i, t in enumerate(new):  # the retokenized text must still be what the grammar allows
+            if not m.accept(t):
+                m.rollback(i)
+                if back:
+                    m.accept(last)
+                return None
+        return back, new
+
+    def stats(self) -> GrammarStatsView:
+        s = self.manager.stats if self.manager else None
+        return GrammarStatsView(len(self.queue), s.compiles if s else 0, s.cache_hits if s else 0,
+                                s.failures if s else 0, s.timeouts if s else 0, self.jf_tokens, self.jf_events)
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown()
