@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices", "json_object")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices", "json_object", "tool_call")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class GrammarSpec:
 
     def describe(self) -> str:
         return {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar", "choices": "choice list",
-                "json_object": "JSON object"}[self.kind]
+                "json_object": "JSON object", "tool_call": "tool-call grammar"}[self.kind]
 
 
 class Matcher(ABC):

@@ -138,6 +138,13 @@ class OutlinesBackend(GrammarBackend):
             regex = choices_regex(json.loads(spec.spec))
         elif spec.kind == "json_object":
             regex = build_regex_from_schema(json.dumps({"type": "object"}))
+        elif spec.kind == "tool_call":
+            from radixlm.srt.constrained.tool_grammar import parse_spec, tool_call_regex
+
+            try:
+                regex = tool_call_regex(spec.spec, build_regex_from_schema(json.dumps(parse_spec(spec.spec)[1])))
+            except Exception as e:
+                raise GrammarError(f"the tools' parameter schemas cannot be compiled: {e}", param="tools") from None
         else:
             try:
                 regex = build_regex_from_schema(spec.spec)

@@ -26,13 +26,14 @@ def parse_json_schema(value) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def grammar_spec(json_schema=None, regex=None, ebnf=None) -> GrammarSpec | None:
-    given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf)) if v is not None]
+def grammar_spec(json_schema=None, regex=None, ebnf=None, tool_call=None) -> GrammarSpec | None:
+    given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
+                                 ("tool_call", tool_call)) if v is not None]
     if not given:
         return None
     if len(given) > 1:
-        raise GrammarError(f"give at most one of json_schema, regex and ebnf (got {', '.join(k for k, _ in given)})",
-                           param=given[1][0])
+        raise GrammarError("give at most one of json_schema, regex, ebnf and tools "
+                           f"(got {', '.join(k for k, _ in given)})", param=given[1][0])
     kind, value = given[0]
     if kind == "json_schema":
         text = parse_json_schema(value)
@@ -65,11 +66,15 @@ def check_supported(spec: GrammarSpec, backend: str) -> None:
     if spec.kind == "ebnf" and backend == "outlines":
         raise GrammarError("EBNF grammars are not supported by the outlines grammar backend; start the server "
                            "with --grammar-backend xgrammar", param="ebnf")
-    if spec.kind == "json_schema":
+    if spec.kind in ("json_schema", "tool_call"):
         from radixlm.srt.constrained.schema_support import unsupported_keyword
 
-        found = unsupported_keyword(json.loads(spec.spec), backend)
+        schema = json.loads(spec.spec)
+        name = "json_schema"
+        if spec.kind == "tool_call":
+            schema, name = schema["schema"], "tools"
+        found = unsupported_keyword(schema, backend)
         if found:
             path, keyword, why = found
-            raise GrammarError(f"json_schema: {keyword!r} at {path} is not supported by the {backend} grammar "
-                               f"backend ({why})", param="json_schema")
+            raise GrammarError(f"{name}: {keyword!r} at {path} is not supported by the {backend} grammar "
+                               f"backend ({why})", param=name)

@@ -69,6 +69,16 @@ class XGrammarBackend(GrammarBackend):
         words = bitmask[0]
         return sum((int(words[t // 32]) >> (t % 32)) & 1 for t in self.stop_ids)
 
+    def _tool_grammar(self, spec: str):
+        from radixlm.srt.constrained.tool_grammar import BEGIN, END, not_prefixed_regex, parse_spec, regex_escape
+
+        G = self.xgr.Grammar
+        mode, schema = parse_spec(spec)
+        one = G.concat(G.from_regex(regex_escape(BEGIN)), G.from_json_schema(json.dumps(schema), any_whitespace=False),
+                       G.from_regex(regex_escape(END)))
+        calls = one  # one call per answer, as in the outlines backend
+        return calls if mode == "call" else G.union(G.from_regex(not_prefixed_regex(BEGIN)), calls)
+
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self.compiler
         try:
@@ -78,6 +88,8 @@ class XGrammarBackend(GrammarBackend):
                 compiled = c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
             elif spec.kind == "regex":
                 compiled = c.compile_regex(spec.spec)
+            elif spec.kind == "tool_call":
+                compiled = c.compile_grammar(self._tool_grammar(spec.spec))
             elif spec.kind == "choices":
                 compiled = c.compile_regex(choices_regex(json.loads(spec.spec)))
             else:
@@ -85,6 +97,6 @@ class XGrammarBackend(GrammarBackend):
         except Exception as e:  # RuntimeError with the parser's message
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             msg = msg.split("] ", 1)[-1]  # drop xgrammar's "[time] file:line:" prefix
-            param = {"json_object": "response_format"}.get(spec.kind, spec.kind)
+            param = {"json_object": "response_format", "tool_call": "tools"}.get(spec.kind, spec.kind)
             raise GrammarError(f"the {spec.describe()} cannot be compiled: {msg}", param=param) from None
         return XGrammarCompiled(compiled, self)

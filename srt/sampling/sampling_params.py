@@ -47,6 +47,7 @@ class SamplingParams:
     json_schema: str | dict | None = None
     regex: str | None = None
     ebnf: str | None = None
+    tool_call: str | None = None  # a tool-call grammar spec (set by the OpenAI layer for `tools`)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -108,7 +109,7 @@ class SamplingParams:
         """The request's grammar as a GrammarSpec, or None when unconstrained."""
         from radixlm.srt.constrained.spec import grammar_spec
 
-        return grammar_spec(self.json_schema, self.regex, self.ebnf)
+        return grammar_spec(self.json_schema, self.regex, self.ebnf, self.tool_call)
 
     @property
     def is_greedy(self) -> bool:

@@ -58,13 +58,16 @@ class TextPart(_Base):
 
 class ChatMessage(_Base):
     role: str
-    content: Union[str, list[TextPart], None] = None
+    # Parts are checked by the server (a clear 400 for image parts) rather than by the schema.
+    content: Union[str, list[dict], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
 
 class ResponseFormat(_Base):
     type: str
-    json_schema: dict | None = None
+    json_schema: dict | None = None  # {"name", "schema", "strict"}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -76,6 +79,11 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    # extras: constrained decoding without response_format (SGLang/vLLM-style)
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: Union[dict, str, None] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 

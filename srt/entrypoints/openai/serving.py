@@ -1,6 +1,7 @@
 """/v1/completions, /v1/chat/completions and /v1/models on top of the tokenizer manager."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -9,6 +10,7 @@ import jinja2
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
+from radixlm.srt.entrypoints.openai import tools as tooling
 from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.srt.errors import InvalidRequest, RadixLMError
 from radixlm.srt.managers.request_prep import PreparedInput, check_text
@@ -16,7 +18,7 @@ from radixlm.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 from radixlm.srt.sampling.sampling_params import SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_ROLES = {"system", "user", "assistant", "developer"}
+_ROLES = {"system", "user", "assistant", "developer", "tool"}
 _MAX_TOP_LOGPROBS = 20
 
 
@@ -80,8 +82,8 @@ class OpenAIServing:
             raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.name}`.",
                                 param="model")
 
-    def _params(self, req, max_tokens: int | None) -> SamplingParams:
-        d = {"max_new_tokens": max_tokens, "n": req.n, "stop": req.stop if req.stop is not None else [],
+    def _params(self, req, max_tokens: int | None, **grammar) -> SamplingParams:
+        d = {**grammar, "max_new_tokens": max_tokens, "n": req.n, "stop": req.stop if req.stop is not None else [],
              "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
              "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
              "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
@@ -91,7 +93,7 @@ class OpenAIServing:
         try:
             return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None or k == "max_new_tokens"})
         except InvalidRequest as e:  # speak the OpenAI field names back to the client
-            names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+            names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "tool_call": "tools"}
             param = names.get(e.param, e.param)
             raise InvalidRequest(e.message.replace(e.param or "", param or "", 1), param=param) from None
 
@@ -179,51 +181,124 @@ class OpenAIServing:
         yield SSE_DONE
 
     # --- /v1/chat/completions ------------------------------------------------------------------------------
-    def chat_input_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_input_ids(self, req: ChatCompletionRequest, funcs: list[dict] | None = None) -> list[int]:
         if not req.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.role not in _ROLES:
-                raise InvalidRequest(f"messages[{i}].role: unsupported role {m.role!r} "
-                                     f"(supported: {', '.join(sorted(_ROLES))})", param=f"messages[{i}].role")
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-            check_text(content, f"messages[{i}].content")
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        funcs = funcs or []
+        own = bool(funcs) and tooling.template_takes_tools(self.tm.tokenizer)
+        messages = [self._message(i, m, own) for i, m in enumerate(req.messages)]
+        messages = tooling.render_messages(messages, funcs, own)
+        kw = {"tools": [{"type": "function", "function": f} for f in funcs]} if own else {}
         try:
             ids = self.tm.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, tokenize=True)
-        except (jinja2.TemplateError, ValueError) as e:
+                continue_final_message=req.continue_final_message, tokenize=True, **kw)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise InvalidRequest(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    @staticmethod
+    def _message(i: int, m, own_template: bool) -> dict:
+        where = f"messages[{i}]"
+        if m.role not in _ROLES:
+            raise InvalidRequest(f"{where}.role: unsupported role {m.role!r} (supported: {', '.join(sorted(_ROLES))})",
+                                 param=f"{where}.role")
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
+                    raise InvalidRequest(f"{where}.content[{j}]: this model takes text only ({kind} parts are not "
+                                         "supported)", param=f"{where}.content")
+                else:
+                    raise InvalidRequest(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}}",
+                                         param=f"{where}.content")
+            content = "".join(texts)
+        else:
+            content = m.content
+        calls = []
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise InvalidRequest(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
+            for j, c in enumerate(m.tool_calls):
+                f = c.get("function") if isinstance(c, dict) else None
+                args = f.get("arguments") if isinstance(f, dict) else None
+                try:
+                    parsed = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError:
+                    parsed = None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(parsed, dict):
+                    raise InvalidRequest(f"{where}.tool_calls[{j}] must hold function.name and function.arguments "
+                                         "(a JSON object as a string)", param=f"{where}.tool_calls")
+                calls.append({"name": f["name"], "arguments": parsed})
+        if content is None and not calls:
+            raise InvalidRequest(f"{where}.content must not be null", param=f"{where}.content")
+        check_text(content or "", f"{where}.content")
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if calls:
+            msg["tool_calls"] = [{"type": "function", "function": c} for c in calls] if own_template else calls
+        if m.role == "tool" and m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        return msg
+
+    def _grammar(self, req: ChatCompletionRequest, mode: str, funcs: list[dict], name: str | None) -> dict:
+        """Sampling parameters for response_format, tools and the json_schema/regex/ebnf extras."""
+        g = {"regex": req.regex, "ebnf": req.ebnf, "json_schema": req.json_schema}
+        rf = req.response_format
+        if rf is not None:
+            if rf.type == "json_schema":
+                schema = (rf.json_schema or {}).get("schema")
+                if not isinstance(schema, (dict, bool)):
+                    raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                                         param="response_format")
+                g["json_schema"] = schema
+            elif rf.type == "json_object":
+                g["json_schema"] = {"type": "object"}
+            elif rf.type != "text":
+                raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
+                                     param="response_format")
+        spec = tooling.tool_grammar(funcs, mode, name)
+        if spec is not None:
+            if any(v is not None for v in g.values()):
+                raise InvalidRequest("tools cannot be combined with response_format or another grammar; use "
+                                     'tool_choice "none" for a constrained text answer', param="tools")
+            g["tool_call"] = spec
+        return {k: v for k, v in g.items() if v is not None}
+
     async def chat(self, req: ChatCompletionRequest, request):
         self._check_model(req.model)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise InvalidRequest(f"response_format {req.response_format.type!r} is not supported yet",
-                                 param="response_format")
-        if req.tools:
-            raise InvalidRequest("tools are not supported yet", param="tools")
+        funcs, mode, name = tooling.check_tools(req.tools, req.tool_choice)
         top = req.top_logprobs
         if top is not None and (not req.logprobs or not 0 <= top <= _MAX_TOP_LOGPROBS):
             raise InvalidRequest(f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}] and needs logprobs=true",
                                  param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, max_tokens)
-        ids = self.chat_input_ids(req)
+        params = self._params(req, max_tokens, **self._grammar(req, mode, funcs, name))
+        ids = self.chat_input_ids(req, funcs if mode != "none" else [])
         states = self.tm.submit([PreparedInput(ids, None, params)], return_logprob=req.logprobs,
                                 top_logprobs_num=top or 0, stream=req.stream,
                                 rids=[req.rid] if req.rid and req.n == 1 else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        calls_on = mode != "none"
         if req.stream:
-            return StreamingResponse(self._stream_chat(req, states, rid, created), media_type="text/event-stream")
+            return StreamingResponse(self._stream_chat(req, states, rid, created, funcs if calls_on else None),
+                                     media_type="text/event-stream")
         await self.tm.wait(states, request)
         raise_if_failed(states)
-        choices = [{"index": st.index, "message": {"role": "assistant", "content": st.text},
-                    "logprobs": {"content": self._chat_logprobs(st)} if req.logprobs else None,
-                    "finish_reason": _FINISH.get(st.finish_reason["type"])} for st in states]
+        choices = []
+        for st in states:
+            message, finish = {"role": "assistant", "content": st.text}, _FINISH.get(st.finish_reason["type"])
+            if calls_on:
+                content, calls = tooling.parse_tool_calls(st.text, funcs)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls"
+            choices.append({"index": st.index, "message": message,
+                            "logprobs": {"content": self._chat_logprobs(st)} if req.logprobs else None,
+                            "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
                                "choices": choices, "usage": usage(states)})
 
@@ -240,7 +315,10 @@ class OpenAIServing:
             out.append(entry)
         return out
 
-    async def _stream_chat(self, req: ChatCompletionRequest, states, rid, created) -> AsyncIterator[bytes]:
+    async def _stream_chat(self, req: ChatCompletionRequest, states, rid, created,
+                           funcs: list[dict] | None) -> AsyncIterator[bytes]:
+        """With tools, text that may still become a tool call is held back; a call is sent whole, as one
+        delta.tool_calls entry, when its answer finishes."""
         def chunk(choices, **extra):
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name,
                         "choices": choices, **extra})
@@ -249,6 +327,8 @@ class OpenAIServing:
             yield chunk([{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         sent_lp = {st.rid: 0 for st in states}
+        held = {st.rid: "" for st in states}  # text not yet sent while it may be a tool call
+        tag = tooling.BEGIN.strip()
         async for st, out in self.tm.updates(states):
             if st.failed:
                 yield sse(RequestFailed(st.finish_reason).to_dict())
@@ -257,12 +337,29 @@ class OpenAIServing:
             if req.logprobs and out.new_ids:
                 lp = {"content": self._chat_logprobs(st, sent_lp[st.rid])}
                 sent_lp[st.rid] = len(st.output_logprobs)
-            if out.delta or lp:
-                yield chunk([{"index": st.index, "delta": {"content": out.delta}, "logprobs": lp,
+            delta = out.delta
+            if funcs is not None and held[st.rid] is not None:
+                text = held[st.rid] + delta
+                start = text.lstrip()
+                if tag.startswith(start) or start.startswith(tag):
+                    held[st.rid], delta = text, ""  # may still be (or is) a call
+                else:
+                    held[st.rid], delta = None, text  # plain text: stream from here on
+            if delta or lp:
+                yield chunk([{"index": st.index, "delta": {"content": delta}, "logprobs": lp,
                               "finish_reason": None}])
             if out.finished_reason:
-                yield chunk([{"index": st.index, "delta": {}, "logprobs": None,
-                              "finish_reason": _FINISH.get(st.finish_reason["type"])}])
+                finish = _FINISH.get(st.finish_reason["type"])
+                if funcs is not None and held[st.rid]:
+                    content, calls = tooling.parse_tool_calls(held[st.rid], funcs)
+                    if calls:
+                        yield chunk([{"index": st.index, "delta": {"tool_calls": [
+                            {"index": k, **c} for k, c in enumerate(calls)]}, "logprobs": None, "finish_reason": None}])
+                        finish = "tool_calls"
+                    if content:
+                        yield chunk([{"index": st.index, "delta": {"content": content}, "logprobs": None,
+                                      "finish_reason": None}])
+                yield chunk([{"index": st.index, "delta": {}, "logprobs": None, "finish_reason": finish}])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=usage(states))
         yield SSE_DONE
