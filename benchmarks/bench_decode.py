@@ -25,7 +25,25 @@ from radixlm.srt.managers.schedule_batch import sampling_info
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 
 
-def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool) -> dict:
+def _profile(served, plain, path: str, bs: int) -> None:
+    """Kernel time by name for one served step (graph replay) and one eager forward: where the step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        served(), plain()
+    lines = []
+    for name, fn in (("served step", served), ("eager forward", plain)):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        lines += [f"== batch {bs}, {name}, 5 runs", prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)]
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: str | None = None) -> dict:
     r = engine.runner
     rows = [r.req_to_token_pool.alloc() for _ in range(bs)]
     slots = r.token_to_kv_pool.alloc(bs * (ctx + 1))
@@ -47,6 +65,8 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool) -> dict:
     def plain():
         return r.forward(spec.build(r.device, None)).argmax(-1).tolist()
 
+    if profile:
+        _profile(served, plain, profile, bs)
     out = {}
     for name, fn in [("step", served)] + ([("eager", plain)] if eager else []):
         for _ in range(3):
@@ -77,6 +97,7 @@ def main():
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="append a kernel-time table per batch size to this file (CUDA)")
     args = ap.parse_args()
     max_bs = max(args.batch_sizes)
     engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
@@ -87,7 +108,7 @@ def main():
     rows = []
     graphs = r.graph_runner is not None
     for bs in args.batch_sizes:
-        t = step_times(engine, bs, args.context, args.repeats, args.eager)
+        t = step_times(engine, bs, args.context, args.repeats, args.eager, args.profile)
         row = {"batch": bs, "context": args.context, "backend": r.attn_backend_name, "kernels": r.kernel_ops.name,
                "cuda_graph": graphs, "step_ms": t["step"] * 1e3, "tokens_per_s": bs / t["step"]}
         if "eager" in t:

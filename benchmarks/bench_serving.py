@@ -34,11 +34,13 @@ _WORDS = ("time person year way day thing man world life hand part child eye wom
 class RequestSpec:
     prompt: str
     output_len: int
+    abort_after: int = 0  # >0: the client drops the stream after this many chunks (the server must free it)
 
 
 @dataclass
 class RequestResult:
     ok: bool = False
+    aborted: bool = False
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -52,7 +54,15 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def make_dataset(args) -> list[RequestSpec]:
-    rng = random.Random(args.seed)
+    specs = _make_specs(args, random.Random(args.seed))
+    drop = random.Random(args.seed + 2)
+    for spec in specs:
+        if drop.random() < args.abort_fraction:
+            spec.abort_after = drop.randint(1, max(1, spec.output_len // 2))
+    return specs
+
+
+def _make_specs(args, rng: random.Random) -> list[RequestSpec]:
     lo = lambda n: max(1, int(n * args.range_ratio))  # noqa: E731
     if args.dataset == "random":
         return [RequestSpec(words(rng, rng.randint(lo(args.input_len), args.input_len)),
@@ -93,6 +103,9 @@ async def one_request(client: httpx.AsyncClient, args, spec: RequestSpec) -> Req
                         res.itl.append(now - last)
                     last = now
                     chunks += 1
+                    if spec.abort_after and chunks >= spec.abort_after:
+                        res.aborted = True
+                        return res  # leaving the stream closes the connection mid-answer
         res.e2e = time.perf_counter() - start
         res.output_tokens = res.output_tokens or chunks
         res.ok = chunks > 0
@@ -162,6 +175,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait", type=float, default=120, help="seconds to wait for the server to come up")
+    ap.add_argument("--abort-fraction", type=float, default=0.0,
+                    help="share of requests whose client hangs up mid-stream (they count in no latency figure)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.eos_token_id is not None and args.eos_token_id < 0:
@@ -171,11 +186,12 @@ def main() -> None:
         args.model = models[0]
     specs = make_dataset(args)
     results, duration = asyncio.run(run(args, specs))
-    ok = [r for r in results if r.ok]
+    ok = [r for r in results if r.ok and not r.aborted]
     out_tokens = sum(r.output_tokens for r in ok)
     report = {
         "label": args.label or args.base_url, "config": vars(args) | {"request_rate": str(args.request_rate)},
-        "completed": len(ok), "failed": len(results) - len(ok),
+        "completed": len(ok), "aborted": sum(r.aborted for r in results),
+        "failed": sum(not r.ok and not r.aborted for r in results),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": duration,
         "request_throughput": len(ok) / duration,

@@ -40,14 +40,15 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
+# Stages run in this order: test check decode offline serving detcheck itl profile
 if stage test; then
   echo "== test ($(left) s left)"
-  timeout $(left) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
+  timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
     2>&1 | tail -40 | tee /tmp/r/test/pytest_kernels.txt
   pack test
   # These engines resolve `auto` to FlashInfer, so they wait for its build; a hung test dumps its stacks.
   fi_ready flashinfer
-  timeout $((BUDGET / 4)) python -m pytest -q -p no:cacheprovider --tb=short -o faulthandler_timeout=90 \
+  timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short -o faulthandler_timeout=90 \
     tests/srt/test_model_correctness.py tests/srt/test_scheduler.py 2>&1 | tail -60 | tee /tmp/r/test/pytest_engine.txt
   pack test
 fi
@@ -84,6 +85,30 @@ if stage serving; then
   pack serving
   EXTRA="--enable-mixed-chunk" timeout $(left) bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed 2>&1 | tail -8
   pack serving
+fi
+if stage detcheck; then  # FlashInfer with batch-invariant splits: overlap on/off and mixed should then agree
+  fi_ready flashinfer; echo "== check flashinfer, deterministic ($(left) s left)"
+  timeout $(left) python benchmarks/gpu/check_backends.py --tokenizer $TOK --backends flashinfer --deterministic \
+    --out /tmp/r/check/check_flashinfer_deterministic.json 2>&1 | grep -v -i "warn\|shards\|loading"
+  pack check
+fi
+if stage itl; then  # mixed chunked prefill with small chunks: inter-token latency tail at concurrency 32
+  fi_ready flashinfer
+  for c in ${ITL_CHUNKS:-512 1024}; do
+    echo "== serving c32, mixed chunk $c ($(left) s left)"
+    EXTRA="--enable-mixed-chunk --chunked-prefill-size $c" WORKLOADS="c32 c128" timeout $(left) \
+      bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed_chunk$c 2>&1 | tail -4
+    pack serving
+  done
+fi
+if stage profile; then  # kernel time by name at batch 1 and 32: where a decode step goes
+  for b in ${PROFILE_BACKENDS:-flashinfer triton}; do
+    fi_ready $b; echo "== profile $b ($(left) s left)"
+    timeout $(left) python benchmarks/bench_decode.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
+      --attention-backend $b --batch-sizes 1 32 --context 512 --eager --repeats 10 \
+      --profile /tmp/r/decode/profile_$b.txt 2>&1 | grep -v -i warn
+    pack decode
+  done
 fi
 kill $FI 2> /dev/null
 echo "done in $SECONDS s"

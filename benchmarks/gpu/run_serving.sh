@@ -4,6 +4,8 @@
 # Usage (device tool): source .gpu-bundle/activate && bash benchmarks/gpu/run_serving.sh TOKENIZER_DIR OUT_DIR
 set -u
 TOK=$1; OUT=$2; PORT=${PORT:-30000}; mkdir -p "$OUT"
+WORKLOADS=" ${WORKLOADS:-c32 c1 c128 prefix aborts} "  # which of the runs below
+want() { [[ "$WORKLOADS" == *" $1 "* ]]; }
 # EXTRA: more server flags (e.g. --enable-mixed-chunk, --attention-backend triton)
 python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
     --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" ${EXTRA:-} > "$OUT/server.log" 2>&1 &
@@ -16,16 +18,25 @@ for _ in $(seq 600); do  # fail fast if the server dies while loading
 done
 python benchmarks/bench_serving.py --base-url $URL --label warmup --num-prompts 16 --input-len 64 \
     --output-len 8 --max-concurrency 16 --wait 5 --eos-token-id 128001 > /dev/null || { tail -30 "$OUT/server.log"; exit 1; }
-python benchmarks/bench_serving.py --base-url $URL --label random-c32 --dataset random --num-prompts 128 \
+want c32 && python benchmarks/bench_serving.py --base-url $URL --label random-c32 --dataset random --num-prompts 128 \
     --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32.json" > /dev/null
-python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
+want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
-python benchmarks/bench_serving.py --base-url $URL --label random-c128 --dataset random --num-prompts 512 \
+want c128 && python benchmarks/bench_serving.py --base-url $URL --label random-c128 --dataset random --num-prompts 512 \
     --input-len 512 --output-len 128 --max-concurrency 128 --eos-token-id 128001 --out "$OUT/random_c128.json" > /dev/null
-python benchmarks/bench_serving.py --base-url $URL --label shared-prefix --dataset shared-prefix --groups 8 \
+want prefix && python benchmarks/bench_serving.py --base-url $URL --label shared-prefix --dataset shared-prefix --groups 8 \
     --num-prompts 128 --system-len 1500 --input-len 40 --output-len 64 --max-concurrency 64 --eos-token-id 128001 \
     --out "$OUT/shared_prefix.json" > /dev/null
-curl -s -X POST $URL/flush_cache > /dev/null
+# Clients hanging up mid-stream (a quarter of them), on both workloads: their KV must come back too.
+want aborts && python benchmarks/bench_serving.py --base-url $URL --label aborts-random --dataset random --num-prompts 128 \
+    --input-len 512 --output-len 128 --max-concurrency 64 --abort-fraction 0.25 --eos-token-id 128001 \
+    --out "$OUT/aborts_random.json" > /dev/null
+want aborts && python benchmarks/bench_serving.py --base-url $URL --label aborts-prefix --dataset shared-prefix --groups 8 \
+    --num-prompts 64 --system-len 1500 --input-len 40 --output-len 64 --max-concurrency 64 --abort-fraction 0.25 \
+    --eos-token-id 128001 --out "$OUT/aborts_prefix.json" > /dev/null
+for _ in $(seq 30); do  # the flush is refused while the last hang-ups are still being aborted
+    curl -sf -X POST $URL/flush_cache > /dev/null && break; sleep 1
+done
 curl -s $URL/get_server_info > "$OUT/server_info.json"  # after the flush: every KV slot must be free
 python - "$OUT/server_info.json" <<'PY'
 import json, sys
@@ -36,10 +47,11 @@ PY
 kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
 python - "$OUT" <<'PY'
 import json, sys, pathlib
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*_c*.json")) + [pathlib.Path(sys.argv[1]) / "shared_prefix.json"]:
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*_c*.json")) + [pathlib.Path(sys.argv[1]) / f for f in
+        ("shared_prefix.json", "aborts_random.json", "aborts_prefix.json")]:
     if f.exists():
         d = json.loads(f.read_text())
-        print(f"{d['label']:>14} ok {d['completed']:>3} fail {d['failed']} req/s {d['request_throughput']:.2f} "
+        print(f"{d['label']:>14} ok {d['completed']:>3} fail {d['failed']} abort {d.get('aborted', 0)} req/s {d['request_throughput']:.2f} "
               f"out tok/s {d['output_throughput']:.0f} TTFT mean {d['ttft_ms']['mean']:.0f} ms p99 "
               f"{d['ttft_ms']['p99']:.0f} ITL mean {d['itl_ms']['mean']:.1f} ms p99 {d['itl_ms']['p99']:.1f}")
 PY

@@ -57,6 +57,7 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.context_length = self.config.context_length
+        self.server_args = args
         self.vocab_size = self.config.vocab_size
         bytes_per_token = self.config.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
         self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens(bytes_per_token, args)
