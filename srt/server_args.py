@@ -49,9 +49,6 @@ class ServerArgs:
     flashinfer_prefill_backend: str = _opt("fa2", "FlashInfer prefill kernels: fa2 shares one JIT module with "
                                            "decode (one compile at first start); fa3 (Hopper) or auto add a "
                                            "second", ("fa2", "fa3", "auto"))
-    enable_deterministic_inference: bool = _opt(False, "batch-invariant attention: a request's numbers do not "
-                                                "depend on what else is in its batch (FlashInfer pins its KV "
-                                                "split; Triton's split is per request already)")
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying captured CUDA graphs")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph (default: 256 on "
                                          "GPUs of 60 GB or more, 160 from 30 GB, else 64)")

@@ -40,7 +40,7 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode offline serving detcheck itl profile
+# Stages run in this order: test check decode offline serving itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -86,12 +86,6 @@ if stage serving; then
   EXTRA="--enable-mixed-chunk" timeout $(left) bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed 2>&1 | tail -8
   pack serving
 fi
-if stage detcheck; then  # FlashInfer with batch-invariant splits: overlap on/off and mixed should then agree
-  fi_ready flashinfer; echo "== check flashinfer, deterministic ($(left) s left)"
-  timeout $(left) python benchmarks/gpu/check_backends.py --tokenizer $TOK --backends flashinfer --deterministic \
-    --out /tmp/r/check/check_flashinfer_deterministic.json 2>&1 | grep -v -i "warn\|shards\|loading"
-  pack check
-fi
 if stage itl; then  # mixed chunked prefill with small chunks: inter-token latency tail at concurrency 32
   fi_ready flashinfer
   for c in ${ITL_CHUNKS:-512 1024}; do
@@ -99,6 +93,14 @@ if stage itl; then  # mixed chunked prefill with small chunks: inter-token laten
     EXTRA="--enable-mixed-chunk --chunked-prefill-size $c" WORKLOADS="c32 c128" timeout $(left) \
       bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed_chunk$c 2>&1 | tail -4
     pack serving
+  done
+fi
+if stage diag; then  # overlap on/off: batch-shape numerics or a scheduling bug?
+  for b in ${DIAG_BACKENDS:-flashinfer triton}; do
+    fi_ready $b; echo "== diag overlap $b ($(left) s left)"
+    timeout $(left) python benchmarks/gpu/diag_overlap.py $TOK $b 2>&1 | grep -v -i "warn\|shards\|loading" \
+      | tee -a /tmp/r/check/diag_overlap.txt
+    pack check
   done
 fi
 if stage profile; then  # kernel time by name at batch 1 and 32: where a decode step goes

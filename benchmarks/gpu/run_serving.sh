@@ -6,6 +6,10 @@ set -u
 TOK=$1; OUT=$2; PORT=${PORT:-30000}; mkdir -p "$OUT"
 WORKLOADS=" ${WORKLOADS:-c32 c1 c128 prefix aborts} "  # which of the runs below
 want() { [[ "$WORKLOADS" == *" $1 "* ]]; }
+if [ "${FULL_VOCAB:-1}" = 1 ]; then  # every sampled id streams as visible text (see full_vocab_tokenizer.py)
+    [ -d /tmp/tok_full ] || python benchmarks/gpu/full_vocab_tokenizer.py "$TOK" /tmp/tok_full 128256
+    TOK=/tmp/tok_full
+fi
 # EXTRA: more server flags (e.g. --enable-mixed-chunk, --attention-backend triton)
 python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
     --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" ${EXTRA:-} > "$OUT/server.log" 2>&1 &

@@ -42,7 +42,7 @@ def test_triton_backend_logits_match_transformers(tiny_dirs, arch):
 def test_triton_backend_generates_what_torch_native_does(tiny_dirs, arch):
     prompts = [IDS, IDS[:7], IDS[3:] + IDS[:4], IDS[:15]]  # ragged, with shared prefixes
     ref = radixlm.Engine(str(tiny_dirs[arch]), log_level="warning", max_total_tokens=2048, device=DEVICE,
-                         attention_backend="torch_native")
+                         attention_backend="torch_native", dtype="float32")  # as _triton_engine (CUDA: bf16)
     expected = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=GREEDY)]
     for kw in ({}, {"force_overlap_schedule": True, "enable_mixed_chunk": True, "chunked_prefill_size": 8}):
         engine = _triton_engine(tiny_dirs[arch], **kw)

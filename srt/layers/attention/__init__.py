@@ -47,5 +47,4 @@ def create_backend(name: str, runner) -> "AttentionBackend":
     return FlashInferAttnBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.dtype, runner.dtype,
                                  runner.req_to_token_pool.req_to_token, runner.max_total_tokens,
                                  runner.max_running_requests, runner.device,
-                                 prefill_backend=getattr(runner.server_args, "flashinfer_prefill_backend", "fa2"),
-                                 deterministic=getattr(runner.server_args, "enable_deterministic_inference", False))
+                                 prefill_backend=getattr(runner.server_args, "flashinfer_prefill_backend", "fa2"))

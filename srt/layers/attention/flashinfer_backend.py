@@ -43,7 +43,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
                  req_to_token: torch.Tensor, max_total_tokens: int, max_running: int, device: torch.device,
-                 prefill_backend: str = "fa2", deterministic: bool = False):
+                 prefill_backend: str = "fa2"):
         import flashinfer
 
         self.fi = flashinfer
@@ -56,10 +56,6 @@ class FlashInferAttnBackend(AttentionBackend):
                                                                             use_tensor_cores=True)
         # Decode with tensor cores runs FA2's prefill module; "fa3"/"auto" (Hopper) adds FlashAttention-3's.
         self.prefill_backend = prefill_backend
-        # FlashInfer splits each request's KV by a size it picks from the whole batch, so a request's sums
-        # depend on its neighbours; pinned splits make them batch-invariant (decode unsplit, prefill in 4096s).
-        self.decode_split = {"disable_split_kv": True} if deterministic else {}
-        self.prefill_split = {"fixed_split_size": 4096} if deterministic else {}
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                               backend=prefill_backend)
         # Requests sharing a prefix each list its slots, so the page table can outgrow the pool.
@@ -96,7 +92,7 @@ class FlashInferAttnBackend(AttentionBackend):
         indptr, indices = self._page_table(fb)
         self._before_plan()
         wrapper.plan(indptr, indices, self.ones[: fb.batch_size], self.h, self.kvh, self.d, 1,
-                     q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.d**-0.5, **self.decode_split)
+                     q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.d**-0.5)
         self._after_plan()
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -108,7 +104,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._before_plan()
         self.prefill_wrapper.plan(_indptr(fb.extend_seq_lens_cpu), indptr, indices, self.ones[: fb.batch_size],
                                   self.h, self.kvh, self.d, 1, causal=True, sm_scale=self.d**-0.5,
-                                  q_data_type=self.dtype, kv_data_type=self.kv_dtype, **self.prefill_split)
+                                  q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._after_plan()
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
