@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from radixlm.srt.constrained.manager import COMPILE_BUCKETS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -39,6 +42,8 @@ class Metrics:
         self.gen_throughput = gauge("radixlm_gen_throughput_tokens_per_second",
                                     "Generated tokens per busy second of the scheduler")
         self._labels = labels
+        self._grammar: dict = {}
+        r.register(_GrammarCollector(self))
 
     def http(self, route: str, status: int) -> None:
         self._http.labels(route=route, status=str(status), **self._labels).inc()
@@ -56,6 +61,42 @@ class Metrics:
         self.kv_cached.set(stats["kv_cached"])
         self.hit_rate.set(stats["cache_hit_rate"])
         self.gen_throughput.set(stats["gen_throughput"])
+        self._grammar = stats.get("grammar") or {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GrammarCollector:
+    """The scheduler's grammar counters as they were at the last stats pull: its compile-time histogram is
+    kept as bucket counts in the scheduler process, so it is exported as-is rather than re-observed here."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self):
+        g, labels = self.m._grammar, self.m._labels
+        names, values = list(labels), list(labels.values())
+
+        def family(cls, name, doc, value):
+            f = cls(name, doc, labels=names)
+            f.add_metric(values, value)
+            return f
+
+        yield family(CounterMetricFamily, "radixlm_grammar_compiles", "Grammar compilations (cache misses)",
+                     g.get("compiles", 0))
+        yield family(CounterMetricFamily, "radixlm_grammar_cache_hits", "Grammar requests served from the cache",
+                     g.get("cache_hits", 0))
+        yield family(CounterMetricFamily, "radixlm_grammar_failures", "Grammar compilations that failed",
+                     g.get("failures", 0))
+        yield family(CounterMetricFamily, "radixlm_grammar_timeouts",
+                     "Requests whose grammar outran --grammar-compile-timeout", g.get("timeouts", 0))
+        yield family(GaugeMetricFamily, "radixlm_grammar_waiting_reqs", "Requests waiting for their grammar",
+                     g.get("waiting", 0))
+        yield family(CounterMetricFamily, "radixlm_jump_forward_tokens", "Tokens appended by jump-forward",
+                     g.get("jump_forward_tokens", 0))
+        counts = g.get("compile_buckets") or [0] * len(COMPILE_BUCKETS)
+        h = HistogramMetricFamily("radixlm_grammar_compile_seconds", "Grammar compile time", labels=names)
+        bounds = ["+Inf" if b == float("inf") else str(b) for b in COMPILE_BUCKETS]
+        h.add_metric(values, list(zip(bounds, counts)), g.get("compile_seconds_sum", 0.0))
+        yield h

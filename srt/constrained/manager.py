@@ -30,13 +30,24 @@ def create_backend(name: str, tokenizer, vocab_size: int, stop_ids: list[int]) -
     raise ValueError(f"unknown grammar backend {name!r}")
 
 
+COMPILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
 @dataclass
 class GrammarStats:
     compiles: int = 0
     cache_hits: int = 0
     failures: int = 0
     timeouts: int = 0
-    compile_seconds: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    # A histogram of compile times kept as counts per bucket (Prometheus reads it from the scheduler's stats)
+    compile_seconds_sum: float = 0.0
+    compile_buckets: list[int] = field(default_factory=lambda: [0] * len(COMPILE_BUCKETS))
+
+    def observe_compile(self, seconds: float) -> None:
+        self.compile_seconds_sum += seconds
+        for i, bound in enumerate(COMPILE_BUCKETS):
+            if seconds <= bound:
+                self.compile_buckets[i] += 1
 
 
 @dataclass(eq=False)
@@ -93,7 +104,7 @@ class GrammarManager:
                                param=spec.kind) from None
         finally:
             self.stats.compiles += 1
-            self.stats.compile_seconds.append(time.perf_counter() - start)
+            self.stats.observe_compile(time.perf_counter() - start)
 
     def forget(self, spec: GrammarSpec) -> None:
         """Drop a cached entry (a compile that timed out: the next request for it tries again)."""

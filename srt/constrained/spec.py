@@ -10,17 +10,42 @@ from radixlm.srt.constrained.base import GrammarSpec
 from radixlm.srt.errors import GrammarError
 
 MAX_SPEC_CHARS = 200_000
+# Objects and arrays inside one schema document. Real schemas nest a dozen levels; past this, JSON encoders
+# hit Python's recursion limit and outlines-core's parser gives up with an unrelated message.
+MAX_SCHEMA_DEPTH = 64
+
+
+def json_depth(value) -> int:
+    """Nesting depth of objects/arrays, without recursion (the input may be nested arbitrarily deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        if deepest > MAX_SCHEMA_DEPTH:
+            return deepest
+        stack.extend((x, d + 1) for x in v)
+    return deepest
 _LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]")
 
 
 def parse_json_schema(value) -> str:
     """A schema given as an object or as JSON text, as compact JSON text (key order kept: it is the order the
     fields are generated in)."""
+    too_deep = False
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise GrammarError(f"json_schema is not valid JSON: {e}", param="json_schema") from None
+        except RecursionError:
+            too_deep = True
+    if too_deep or json_depth(value) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"json_schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels",
+                           param="json_schema")
     if not isinstance(value, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object (a schema)", param="json_schema")
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

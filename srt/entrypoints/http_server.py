@@ -63,6 +63,9 @@ async def read_json(request: Request, limit: int):
         raise _HTTPError(400, "request body is not valid UTF-8", "invalid_request_error", "invalid_encoding") from None
     except json.JSONDecodeError as e:
         raise _HTTPError(422, f"malformed JSON body: {e}", "invalid_request_error", "malformed_json") from None
+    except RecursionError:  # orjson stops at 1024 levels; the stdlib runs out of stack
+        raise _HTTPError(400, "JSON body nests objects and arrays too deeply", "invalid_request_error",
+                         "malformed_json") from None
 
 
 def parse(model: type[BaseModel], data) -> BaseModel:

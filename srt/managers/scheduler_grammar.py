@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,8 @@ class GrammarStatsView:
     timeouts: int
     jump_forward_tokens: int
     jump_forward_events: int
+    compile_seconds_sum: float = 0.0
+    compile_buckets: list[int] = field(default_factory=list)  # cumulative counts, le = manager.COMPILE_BUCKETS
 
 
 class SchedulerGrammar:
@@ -170,7 +172,8 @@ class SchedulerGrammar:
     def stats(self) -> GrammarStatsView:
         s = self.manager.stats if self.manager else None
         return GrammarStatsView(len(self.queue), s.compiles if s else 0, s.cache_hits if s else 0,
-                                s.failures if s else 0, s.timeouts if s else 0, self.jf_tokens, self.jf_events)
+                                s.failures if s else 0, s.timeouts if s else 0, self.jf_tokens, self.jf_events,
+                                s.compile_seconds_sum if s else 0.0, list(s.compile_buckets) if s else [])
 
     def shutdown(self) -> None:
         if self.manager is not None:

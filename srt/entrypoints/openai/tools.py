@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from radixlm.srt.constrained.spec import MAX_SCHEMA_DEPTH, json_depth
 from radixlm.srt.constrained.tool_grammar import BEGIN, END
 from radixlm.srt.errors import InvalidRequest
 
@@ -39,6 +40,9 @@ def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], str, str |
         params = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object",
+                                 param=f"tools[{i}].function.parameters")
+        if json_depth(params) > MAX_SCHEMA_DEPTH - 8:  # the call schema wraps it a few levels deeper
+            raise InvalidRequest(f"tools[{i}].function.parameters nests deeper than {MAX_SCHEMA_DEPTH - 8} levels",
                                  param=f"tools[{i}].function.parameters")
         names.add(name)
         funcs.append({"name": name, "description": f.get("description", ""), "parameters": params})
