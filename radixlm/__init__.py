@@ -14,7 +14,12 @@ if _os.path.isfile(_os.path.join(_root, "srt", "__init__.py")) and _root not in 
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
+_LANG = ("Backend", "EngineBackend", "LangError", "OpenAI", "ProgramState", "Runtime", "RuntimeEndpoint",
+         "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
+         "get_default_backend", "greedy_token_selection", "image", "select", "set_default_backend", "system",
+         "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
+         "user_begin", "user_end")
+__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__", *_LANG]
 
 
 def __getattr__(name: str):
@@ -31,4 +36,8 @@ def __getattr__(name: str):
         from radixlm.srt.server_args import ServerArgs
 
         return ServerArgs
+    if name in _LANG:  # the frontend language: `import radixlm as sgl` runs SGLang-style programs
+        import radixlm.lang as lang
+
+        return getattr(lang, name)
     raise AttributeError(f"module 'radixlm' has no attribute {name!r}")

@@ -139,7 +139,9 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         return {"model_path": model_path, "served_model_name": served_model_name,
                 "tokenizer_path": info.get("tokenizer_path"), "is_generation": True,
                 "architecture": info["architecture"], "context_length": info["context_length"],
-                "vocab_size": info["vocab_size"], "dtype": info["dtype"], "device": info["device"]}
+                "vocab_size": info["vocab_size"], "dtype": info["dtype"], "device": info["device"],
+                # the frontend language renders role blocks with it, as the chat route does
+                "chat_template": getattr(tm.tokenizer, "chat_template", None)}
 
     @app.get("/get_server_info")
     async def server_info():

@@ -1,0 +1,237 @@
+"""Backends that speak our native generate API: `RuntimeEndpoint` (HTTP to a running server), `Runtime` (a
+server this process launches and owns) and `EngineBackend` (the in-process Engine, no HTTP).
+
+`select` scores every choice in one batched request that shares the prompt: the prompt alone first (its
+token count, and it lands in the radix cache), then prompt + each choice with prompt logprobs from the end
+of the prompt on, so the server computes only the choices' tokens.
+"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator
+
+from radixlm.lang import choices as choice_scoring
+from radixlm.lang.backend.base import Backend, Call, GenResult, LangError
+from radixlm.lang.chat_template import RoleMarkers, role_markers
+
+
+def _check_finished(item: dict) -> dict:
+    reason = (item.get("meta_info") or {}).get("finish_reason") or {}
+    if reason.get("type") == "abort" and reason.get("message"):
+        raise LangError(f"the server refused the request: {reason['message']}")
+    return item
+
+
+def _result(item: dict) -> GenResult:
+    meta = dict(item.get("meta_info") or {})
+    return GenResult(item.get("text", ""), meta)
+
+
+class NativeBackend(Backend):
+    """The shared logic; subclasses move a native request (dict with text, sampling_params, ...)."""
+
+    def __init__(self) -> None:
+        self._markers: RoleMarkers | None = None
+        self.rng = random.Random(0)
+
+    # --- transport (subclasses) ----------------------------------------------------------------------------
+    def _request(self, payload: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def _request_stream(self, payload: dict) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def _chat_template(self) -> tuple[str | None, dict]:
+        raise NotImplementedError
+
+    # --- Backend -------------------------------------------------------------------------------------------
+    def role_markers(self) -> RoleMarkers:
+        if self._markers is None:
+            template, special = self._chat_template()
+            self._markers = role_markers(template, **special)
+        return self._markers
+
+    def generate(self, call: Call) -> GenResult:
+        return _result(_check_finished(self._request({"text": call.text, "sampling_params": call.params})[0]))
+
+    def stream(self, call: Call) -> Iterator[tuple[str, GenResult | None]]:
+        sent = ""
+        last = None
+        for item in self._request_stream({"text": call.text, "sampling_params": call.params, "stream": True}):
+            _check_finished(item)
+            text = item.get("text", "")
+            if len(text) > len(sent):
+                yield text[len(sent):], None
+                sent = text
+            last = item
+        if last is None:
+            raise LangError("the stream ended without a result")
+        yield "", _result(last)
+
+    def commit_prefix(self, text: str) -> int:
+        """Prefill `text` (it stays in the radix cache); returns its token count."""
+        item = _check_finished(self._request({"text": text, "sampling_params": {"max_new_tokens": 0}})[0])
+        return int(item["meta_info"]["prompt_tokens"])
+
+    def _choice_logprobs(self, texts: list[str], start: int) -> list[list[float]]:
+        items = self._request({"text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                               "return_logprob": True, "logprob_start_len": start})
+        out = []
+        for item in items:
+            _check_finished(item)
+            lps = item["meta_info"].get("input_token_logprobs") or []
+            out.append([lp for lp, _tok in lps if lp is not None])
+        return out
+
+    def select(self, call: Call, choices: list[str], method, temperature: float) -> tuple[int, dict]:
+        n_prefix = self.commit_prefix(call.text)
+        cond = self._choice_logprobs([call.text + c for c in choices], n_prefix)
+        uncond = None
+        if method.name == "unconditional_likelihood_normalized":
+            uncond = self._choice_logprobs(list(choices), 0)
+        best, scores = choice_scoring.pick(method, cond, uncond)
+        if temperature > 0:  # sample in proportion to exp(score / T) instead of taking the best
+            import math
+
+            top = max(scores)
+            weights = [math.exp((s - top) / temperature) for s in scores]
+            best = self.rng.choices(range(len(choices)), weights=weights)[0]
+        meta = {"normalized_prompt_logprobs": scores, "input_token_logprobs": cond, "prompt_tokens": n_prefix,
+                "finish_reason": {"type": "stop", "matched": choices[best]}}
+        if uncond is not None:
+            meta["unconditional_token_logprobs"] = uncond
+        return best, meta
+
+
+class RuntimeEndpoint(NativeBackend):
+    """A running radixlm (or SGLang) server, through its native `/generate`."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600):
+        super().__init__()
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.model_info = self._get("/get_model_info")
+
+    def _get(self, path: str) -> dict:
+        import httpx
+
+        try:
+            r = self.client.get(path)
+        except httpx.HTTPError as e:
+            raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise LangError(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def _chat_template(self):
+        return self.model_info.get("chat_template"), {}
+
+    @staticmethod
+    def _error(r) -> LangError:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:300]
+        return LangError(f"the server refused the request (HTTP {r.status_code}): {msg}")
+
+    def _request(self, payload: dict) -> list[dict]:
+        import httpx
+
+        try:
+            r = self.client.post("/generate", json=payload)
+        except httpx.HTTPError as e:
+            raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise self._error(r)
+        out = r.json()
+        return out if isinstance(out, list) else [out]
+
+    def _request_stream(self, payload: dict) -> Iterator[dict]:
+        import httpx
+
+        try:
+            with self.client.stream("POST", "/generate", json=payload) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise self._error(r)
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    item = json.loads(line[6:])
+                    if "error" in item:
+                        raise LangError(f"the server failed the request: {item['error'].get('message')}")
+                    yield item
+        except httpx.HTTPError as e:
+            raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+class EngineBackend(NativeBackend):
+    """The in-process Engine. One driver thread owns it, so program threads (forks, run_batch) submit
+    requests concurrently and they run batched together."""
+
+    def __init__(self, engine=None, **engine_kwargs):
+        super().__init__()
+        if engine is None:
+            import radixlm
+
+            engine = radixlm.Engine(**engine_kwargs)
+            self._owned = True
+        else:
+            self._owned = False
+        self.engine = engine
+        from radixlm.lang.backend.engine_driver import EngineDriver
+
+        self.driver = EngineDriver(engine)
+
+    def _chat_template(self):
+        tok = self.engine.tokenizer
+        return getattr(tok, "chat_template", None), {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
+
+    def _request(self, payload: dict) -> list[dict]:
+        return self.driver.run(payload)
+
+    def _request_stream(self, payload: dict) -> Iterator[dict]:
+        yield from self.driver.stream(payload)
+
+    def shutdown(self) -> None:
+        self.driver.stop()
+        if self._owned:
+            self.engine.shutdown()
+
+
+class Runtime(RuntimeEndpoint):
+    """Launches `radixlm serve` in a subprocess and talks to it; `with Runtime(...) as rt:` stops it after.
+    Keywords are server flags (`model_path=...`, `max_total_tokens=...`)."""
+
+    def __init__(self, model_path: str | None = None, port: int | None = None, timeout: float = 300,
+                 api_key: str | None = None, **server_args):
+        from radixlm.lang.backend.launch import launch_server
+
+        self.process, url = launch_server(model_path, port, timeout, api_key, server_args)
+        try:
+            super().__init__(url, api_key=api_key)
+        except BaseException:
+            self.process.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.base_url
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.process.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,44 @@
+"""Scoring the choices of `select` from token logprobs.
+
+Each choice arrives as the logprobs of its own tokens given the prompt (and, for the unconditional method,
+given no prompt); a method returns the index of the choice it picks and the per-choice scores.
+"""
+from __future__ import annotations
+
+from radixlm.lang.ir import ChoicesMethod
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("-inf")
+
+
+def pick(method: ChoicesMethod, cond: list[list[float]], uncond: list[list[float]] | None = None
+         ) -> tuple[int, list[float]]:
+    if method.name == "token_length_normalized":
+        scores = [_mean(lps) for lps in cond]
+    elif method.name == "unconditional_likelihood_normalized":
+        if uncond is None:
+            raise ValueError("unconditional_likelihood_normalized needs the unconditional logprobs")
+        # how much the prompt raises each choice's likelihood, per token: favours answers the context
+        # supports over answers that are merely common
+        scores = [_mean(c) - _mean(u) for c, u in zip(cond, uncond)]
+    elif method.name == "greedy_token_selection":
+        return _greedy(cond), [_mean(lps) for lps in cond]
+    else:
+        raise ValueError(f"unknown choices method {method.name!r}")
+    return max(range(len(scores)), key=lambda i: scores[i]), scores
+
+
+def _greedy(cond: list[list[float]]) -> int:
+    """Token by token: keep the choices whose token at this position is the likeliest; choices with no token
+    left drop out while longer ones remain (the first of the last survivors wins)."""
+    alive = list(range(len(cond)))
+    pos = 0
+    while len(alive) > 1:
+        with_token = [i for i in alive if pos < len(cond[i])]
+        if not with_token:
+            break
+        best = max(cond[i][pos] for i in with_token)
+        alive = [i for i in with_token if cond[i][pos] == best]
+        pos += 1
+    return alive[0]
