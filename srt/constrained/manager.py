@@ -101,7 +101,7 @@ class GrammarManager:
             self.stats.failures += 1
             logger.warning("grammar compile crashed: %s: %s", type(e).__name__, e)
             raise GrammarError(f"the {spec.describe()} cannot be compiled: {type(e).__name__}: {e}",
-                               param=spec.kind) from None
+                               param="tools" if spec.kind == "tool_call" else spec.kind) from None
         finally:
             self.stats.compiles += 1
             self.stats.observe_compile(time.perf_counter() - start)

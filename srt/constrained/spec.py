@@ -48,6 +48,14 @@ def parse_json_schema(value) -> str:
                            param="json_schema")
     if not isinstance(value, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object (a schema)", param="json_schema")
+    if isinstance(value, dict):
+        from jsonschema import Draft202012Validator, SchemaError
+
+        try:
+            Draft202012Validator.check_schema(value)
+        except SchemaError as e:
+            raise GrammarError(f"json_schema is not a valid JSON schema: at {e.json_path}: {e.message}",
+                               param="json_schema") from None
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -33,12 +33,14 @@ def regex_escape(text: str) -> str:
 
 def not_prefixed_regex(prefix: str) -> str:
     """Any text that does not start with `prefix` (proper prefixes of it included)."""
-    alts = [regex_escape(prefix[:k]) for k in range(len(prefix))]  # stopping inside the tag
+    # stopping inside the tag: the empty text is written as an optional group, because an empty alternative
+    # `()` makes outlines-core allow nothing but EOS at the start
+    alts = [regex_escape(prefix[:k]) for k in range(1, len(prefix))]
     for k in range(len(prefix)):
         c = prefix[k]
         excl = r"\n" if c == "\n" else ("\\" + c if c in _SPECIAL else c)
         alts.append(f"{regex_escape(prefix[:k])}[^{excl}][\\s\\S]*")
-    return "(" + "|".join(f"({a})" for a in alts) + ")"
+    return "(" + "|".join(f"({a})" for a in alts) + ")?"
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:

@@ -218,6 +218,9 @@ class OpenAIServing:
             content = "".join(texts)
         else:
             content = m.content
+        if m.role == "tool" and not (isinstance(m.tool_call_id, str) and m.tool_call_id):
+            raise InvalidRequest(f"{where}.tool_call_id is required on tool messages (the id of the call it answers)",
+                                 param=f"{where}.tool_call_id")
         calls = []
         if m.tool_calls is not None:
             if m.role != "assistant":

@@ -44,6 +44,7 @@ def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], str, str |
         if json_depth(params) > MAX_SCHEMA_DEPTH - 8:  # the call schema wraps it a few levels deeper
             raise InvalidRequest(f"tools[{i}].function.parameters nests deeper than {MAX_SCHEMA_DEPTH - 8} levels",
                                  param=f"tools[{i}].function.parameters")
+        _check_schema(params, f"tools[{i}].function.parameters")
         names.add(name)
         funcs.append({"name": name, "description": f.get("description", ""), "parameters": params})
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
@@ -57,6 +58,42 @@ def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], str, str |
         return funcs, "named", name
     raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                          '{"name": ...}}', param="tool_choice")
+
+
+def _check_schema(schema: dict, where: str) -> None:
+    """A parameters schema must be a valid JSON Schema, and one some arguments satisfy."""
+    from jsonschema import Draft202012Validator, SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise InvalidRequest(f"{where} is not a valid JSON schema: at {e.json_path}: {e.message}",
+                             param=where) from None
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("enum") == []:  # admits no value at all: no call could ever be valid
+                raise InvalidRequest(f"{where}: an empty enum admits no value", param=where)
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and not _resolves(schema, ref):
+                raise InvalidRequest(f"{where}: $ref {ref!r} points at nothing in the schema", param=where)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _resolves(schema: dict, ref: str) -> bool:
+    node = schema
+    for part in ref[1:].lstrip("/").split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
 
 
 def call_schema(funcs: list[dict]) -> dict:
