@@ -21,7 +21,8 @@ def pick(method: ChoicesMethod, cond: list[list[float]], uncond: list[list[float
             raise ValueError("unconditional_likelihood_normalized needs the unconditional logprobs")
         # how much the prompt raises each choice's likelihood, per token: favours answers the context
         # supports over answers that are merely common
-        scores = [_mean(c) - _mean(u) for c, u in zip(cond, uncond)]
+        # (the unconditional first token has no context and no logprob: it counts as 0, as in SGLang)
+        scores = [_mean(c) - sum(u) / max(len(c), 1) for c, u in zip(cond, uncond)]
     elif method.name == "greedy_token_selection":
         return _greedy(cond), [_mean(lps) for lps in cond]
     else:

@@ -216,6 +216,22 @@ class ProgramState:
             self._finished = True
             self._changed.notify_all()
 
+    # --- role blocks as methods: `s.user("hi")`, or `with s.user(): s += ...` -------------------------------
+    def _role_method(self, role: str, expr=None):
+        if expr is not None:
+            self._submit(Role(role, [expr]))
+            return None
+        return _RoleScope(self, role)
+
+    def system(self, expr=None):
+        return self._role_method("system", expr)
+
+    def user(self, expr=None):
+        return self._role_method("user", expr)
+
+    def assistant(self, expr=None):
+        return self._role_method("assistant", expr)
+
     # --- fork ----------------------------------------------------------------------------------------------
     def fork(self, size: int = 1) -> "ForkGroup":
         """`size` copies of this state that go on independently; the shared prefix is sent to the backend
@@ -238,6 +254,19 @@ class ProgramState:
 
     def __repr__(self) -> str:
         return f"ProgramState(text={self._text[-60:]!r}, vars={sorted(self._vars)})"
+
+
+class _RoleScope:
+    def __init__(self, state: ProgramState, role: str):
+        self.state, self.role = state, role
+
+    def __enter__(self):
+        self.state._submit(RoleBegin(self.role))
+        return self.state
+
+    def __exit__(self, *exc):
+        self.state._submit(RoleEnd(self.role))
+        return False
 
 
 class ForkGroup(list):

@@ -77,13 +77,16 @@ class Req:
         params = self.sampling_params
         if len(self.output_ids) >= params.min_new_tokens and last in self.stop_token_ids:
             self.finished_reason = {"type": "stop", "matched": last}
-        elif len(self.output_ids) >= self.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= context_length:
-            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
-        elif params.stop and len(self.output_ids) >= params.min_new_tokens:
-            # Decode only a tail long enough to hold any stop string that could end at the new token.
+            return
+        if params.stop and len(self.output_ids) >= params.min_new_tokens:
+            # Before the length limit: a stop string ending on the last allowed token is still a stop (and is
+            # trimmed from the text, as OpenAI's stop semantics say). Decode only a tail long enough to hold any
+            # stop string that could end at the new token.
             tail_tokens = max(len(s) for s in params.stop) + 2
             tail = tokenizer.decode(self.output_ids[-tail_tokens:], skip_special_tokens=params.skip_special_tokens)
             for s in params.stop:
                 if s in tail:
                     self.finished_reason = {"type": "stop", "matched": s}
-                    break
+                    return
+        if len(self.output_ids) >= self.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= context_length:
+            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
