@@ -1,11 +1,19 @@
-"""Compiling grammars off the scheduler loop: a worker pool, an LRU cache of compiled grammars (failures are
-cached too, so a bad spec fails fast the next time), and a per-request time limit."""
+"""Compiling grammars off the scheduler loop: a thread per compile (at most `workers` at once), an LRU cache of
+compiled grammars (failures are cached too, so a bad spec fails fast the next time), and a per-request time limit.
+
+A compile shares the CPU with the forward pass; on a small CPU host a long one (a pathological regex) would slow
+every decode step severalfold, as torch's worker threads wait on the core it holds. Typical compiles take well
+under a second, so a compile still running after DEMOTE_AFTER_S (or once its request has timed out) is lowered
+to the lowest CPU priority: it finishes on idle cycles. Lowering is one-way for an unprivileged process, which is
+why each compile has its own thread instead of a pool's reused one."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from radixlm.srt.constrained.base import CompiledGrammar, GrammarBackend, GrammarSpec
@@ -14,6 +22,8 @@ from radixlm.srt.errors import GrammarError
 logger = logging.getLogger(__name__)
 
 _CACHE_ENTRIES = 512
+DEMOTE_AFTER_S = 2.0
+_LOWEST_PRIORITY = 19
 
 
 def create_backend(name: str, tokenizer, vocab_size: int, stop_ids: list[int]) -> GrammarBackend | None:
@@ -73,9 +83,14 @@ class GrammarManager:
     def __init__(self, backend: GrammarBackend, workers: int = 4, timeout: float = 60.0):
         self.backend = backend
         self.timeout = timeout
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
         self.cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self.stats = GrammarStats()
+        self._slots = threading.BoundedSemaphore(workers)
+        self._lock = threading.Lock()
+        self._active: dict[Future, list] = {}  # compiling now: [native thread id, started, demoted]
+        self._wake = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True).start()
 
     def request(self, spec: GrammarSpec) -> GrammarTicket:
         now = time.monotonic()
@@ -84,11 +99,50 @@ class GrammarManager:
             self.cache.move_to_end(spec)
             self.stats.cache_hits += 1
         else:
-            fut = self.pool.submit(self._compile, spec)
+            fut = Future()
+            threading.Thread(target=self._run, args=(spec, fut), name="grammar", daemon=True).start()
             self.cache[spec] = fut
             while len(self.cache) > _CACHE_ENTRIES:
                 self.cache.popitem(last=False)
         return GrammarTicket(spec, fut, now, now + self.timeout)
+
+    def _run(self, spec: GrammarSpec, fut: Future) -> None:
+        with self._slots:
+            if self._closed or not fut.set_running_or_notify_cancel():
+                return
+            with self._lock:
+                self._active[fut] = [threading.get_native_id(), time.monotonic(), False]
+            self._wake.set()
+            try:
+                fut.set_result(self._compile(spec))
+            except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the future
+                fut.set_exception(e)
+            finally:
+                with self._lock:  # before the thread ends, so a demotion never reaches a reused thread id
+                    self._active.pop(fut, None)
+
+    def _demote(self, fut: Future, why: str) -> None:
+        with self._lock:
+            rec = self._active.get(fut)
+            if rec is None or rec[2]:
+                return
+            rec[2] = True
+            try:
+                os.setpriority(os.PRIO_PROCESS, rec[0], _LOWEST_PRIORITY)
+            except (OSError, AttributeError):  # not Linux, or not allowed: it just keeps its priority
+                return
+        logger.info("grammar compile %s; it goes on at the lowest CPU priority", why)
+
+    def _watch(self) -> None:
+        while not self._closed:
+            self._wake.wait(0.25 if self._active else None)
+            self._wake.clear()
+            now = time.monotonic()
+            with self._lock:
+                slow = [f for f, (_, started, demoted) in self._active.items()
+                        if not demoted and now - started > DEMOTE_AFTER_S]
+            for fut in slow:
+                self._demote(fut, f"running for more than {DEMOTE_AFTER_S:.0f} s")
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         start = time.perf_counter()
@@ -108,7 +162,12 @@ class GrammarManager:
 
     def forget(self, spec: GrammarSpec) -> None:
         """Drop a cached entry (a compile that timed out: the next request for it tries again)."""
-        self.cache.pop(spec, None)
+        fut = self.cache.pop(spec, None)
+        if fut is not None:
+            self._demote(fut, "outlived its request's time limit")
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
+        self._wake.set()
+        for fut in list(self.cache.values()):
+            fut.cancel()  # compiles not started yet never start

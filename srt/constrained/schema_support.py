@@ -3,7 +3,7 @@
 Both engines drop some keywords without a word (uniqueItems, not, if/then/else, ...), and outlines-core also
 drops numeric bounds; a request using one would get an answer that looks constrained and is not. We reject
 those up front with a 400 naming the keyword. The table comes from probing outlines-core 0.2.14 and xgrammar
-0.2.8 with valid and invalid instances of every keyword (see tests/constrained/test_schema_corpus.py).
+0.2.8 with valid and invalid instances of every keyword (see tests/constrained/test_json_schema_corpus.py).
 Over-restrictive behaviour (declared property order, no extra keys beside `properties`) is accepted: outputs
 still validate."""
 from __future__ import annotations
@@ -38,6 +38,7 @@ _IGNORED_BY_XGRAMMAR = {
     "maxProperties": "property counts are not supported together with strict objects",
 }
 _OUTLINES_FORMATS = {"date", "date-time", "time", "email", "uuid", "uri"}
+_FIXED_LENGTH_FORMATS = {"uuid": 36, "date": 10}
 _REF_SIBLINGS_OK = {"$ref", "title", "description", "$comment", "default", "examples", "$defs", "definitions",
                     "$schema", "$id"}
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
@@ -105,6 +106,14 @@ def _check_node(s: dict, path: str, backend: str, is_property: bool):
     if isinstance(s.get("oneOf"), list) and not _disjoint(s["oneOf"]):
         return path, "oneOf", "branches that may overlap are enforced as anyOf; give each branch a distinct type or const"
     fmt = s.get("format")
+    if isinstance(fmt, str) and ("minLength" in s or "maxLength" in s):
+        # outlines keeps the length and drops the format; xgrammar keeps the format and drops the length, which
+        # is harmless only when every string of the format has a length within the bounds
+        n = _FIXED_LENGTH_FORMATS.get(fmt)
+        if backend == "outlines" or n is None or not s.get("minLength", 0) <= n <= s.get("maxLength", n):
+            kw = "minLength" if "minLength" in s else "maxLength"
+            return path, kw, ("a length bound together with a format is not enforced (one of the two is dropped); "
+                              "drop the bound or write the format as a pattern")
     if backend == "outlines" and isinstance(fmt, str) and fmt not in _OUTLINES_FORMATS:
         return path, "format", f"format {fmt!r} is not supported by outlines (it knows {sorted(_OUTLINES_FORMATS)})"
     if backend == "outlines" and is_property and not (set(s) - {"title", "description", "$comment", "default",

@@ -56,12 +56,14 @@ class XGrammarMatcher(Matcher):
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], threads: int = 2):
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], threads: int = 1):
         import xgrammar
 
         self.xgr = xgrammar
         self.stop_ids = sorted(set(stop_ids))
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
+        # one thread: a compile's CPU priority can then be lowered as a whole (manager.DEMOTE_AFTER_S); parallelism
+        # comes from compiling several grammars at once
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
         self.scratch = xgrammar.allocate_token_bitmask(1, vocab_size)
 

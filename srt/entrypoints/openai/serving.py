@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixlm.srt.entrypoints.openai import tools as tooling
 from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from radixlm.srt.errors import InvalidRequest, RadixLMError
+from radixlm.srt.errors import GrammarError, InvalidRequest, RadixLMError
 from radixlm.srt.managers.request_prep import PreparedInput, check_text
 from radixlm.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 from radixlm.srt.sampling.sampling_params import SamplingParams
@@ -270,6 +270,13 @@ class OpenAIServing:
             g["tool_call"] = spec
         return {k: v for k, v in g.items() if v is not None}
 
+    @staticmethod
+    def _grammar_param(req: ChatCompletionRequest, err: RadixLMError) -> RadixLMError:
+        """A schema given through response_format is refused under that name, the field the client sent."""
+        if err.param == "json_schema" and req.response_format is not None and req.json_schema is None:
+            err.param = "response_format"
+        return err
+
     async def chat(self, req: ChatCompletionRequest, request):
         self._check_model(req.model)
         funcs, mode, name = tooling.check_tools(req.tools, req.tool_choice)
@@ -280,9 +287,12 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, max_tokens, **self._grammar(req, mode, funcs, name))
         ids = self.chat_input_ids(req, funcs if mode != "none" else [])
-        states = self.tm.submit([PreparedInput(ids, None, params)], return_logprob=req.logprobs,
-                                top_logprobs_num=top or 0, stream=req.stream,
-                                rids=[req.rid] if req.rid and req.n == 1 else None)
+        try:
+            states = self.tm.submit([PreparedInput(ids, None, params)], return_logprob=req.logprobs,
+                                    top_logprobs_num=top or 0, stream=req.stream,
+                                    rids=[req.rid] if req.rid and req.n == 1 else None)
+        except GrammarError as e:
+            raise self._grammar_param(req, e) from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         calls_on = mode != "none"
@@ -290,7 +300,10 @@ class OpenAIServing:
             return StreamingResponse(self._stream_chat(req, states, rid, created, funcs if calls_on else None),
                                      media_type="text/event-stream")
         await self.tm.wait(states, request)
-        raise_if_failed(states)
+        try:
+            raise_if_failed(states)
+        except RequestFailed as e:
+            raise self._grammar_param(req, e) from None
         choices = []
         for st in states:
             message, finish = {"role": "assistant", "content": st.text}, _FINISH.get(st.finish_reason["type"])
