@@ -14,29 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
-import random
 import time
 from pathlib import Path
 
 import torch
 
 import radixlm
+from workloads import offline_workload as workload
 
 
-def workload(args, vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
-    lo, hi = 1000, min(vocab, 40000) - 1  # ordinary tokens, away from special ids at either end
-    out = []
-    for _ in range(args.num_prompts):
-        if args.workload == "random":
-            n_in, n_out = args.input_len, args.output_len
-        else:
-            n_in = int(min(2048, max(4, rng.lognormvariate(math.log(220), 1.1))))
-            n_out = int(min(1024, max(4, rng.lognormvariate(math.log(190), 0.9))))
-        out.append(([rng.randrange(lo, hi) for _ in range(n_in)], n_out))
-    return out
+def _number(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
 
 
 def main():
@@ -55,7 +49,7 @@ def main():
     extra = {}
     for kv in args.engine_args:
         k, v = kv.split("=", 1)
-        extra[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+        extra[k] = {"true": True, "false": False}.get(v.lower(), _number(v))
     engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
                             log_level="warning", **extra)
     data = workload(args, engine.runner.vocab_size)

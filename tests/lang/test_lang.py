@@ -1,0 +1,602 @@
+"""The frontend language (`import radixlm as sgl`) end to end on the embedded SmolLM2.
+
+Every primitive runs on the in-process Engine (EngineBackend) and on a launched server (RuntimeEndpoint);
+at temperature 0 both must give the same text and variables. `select` is checked against logprobs computed
+directly with the Engine, fork's prefix sharing against the server's cached_tokens, run_batch against runs
+one at a time, streaming against the final variables; SGLang's documented programs run unchanged; misuse
+and failing backends give clear LangErrors; and the OpenAI backend runs chat programs on the server's /v1.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import uuid
+
+import pytest
+
+import radixlm as sgl
+from radixlm.lang import api as lang_api
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+# --- backends ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_backend(smol_engine):
+    be = sgl.EngineBackend(smol_engine)
+    yield be
+    be.shutdown()
+    assert not be.driver.thread.is_alive()
+    # The backend did not own the engine: it still serves, and is left idle and clean for other tests.
+    assert not smol_engine.has_unfinished_requests()
+    out = smol_engine.generate("Hello", {"max_new_tokens": 1, "temperature": 0})
+    assert out["meta_info"]["completion_tokens"] == 1
+    assert smol_engine.flush_cache()
+
+
+@pytest.fixture(scope="module")
+def http_backend(server):
+    be = sgl.RuntimeEndpoint(server.url)
+    yield be
+    be.shutdown()
+
+
+@pytest.fixture(scope="module")
+def openai_backend(server):
+    be = sgl.OpenAI(MODEL_NAME, base_url=f"{server.url}/v1", api_key="none")
+    yield be
+    be.shutdown()
+
+
+@pytest.fixture(params=["engine", "http"])
+def backend(request):
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture
+def default_backend():
+    """Programs run with no backend= (as SGLang's docs write them); the previous default is restored after."""
+    before = lang_api._default_backend
+    yield sgl.set_default_backend
+    lang_api._default_backend = before
+
+
+# --- programs used by several tests ------------------------------------------------------------------------
+SPIDER_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer"}},
+    "required": ["name", "legs"],
+    "additionalProperties": False,
+}
+
+
+@sgl.function
+def roles_prog(s, question):
+    s += sgl.system("You are a terse assistant.")
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=12, stop="\n"))
+    s += sgl.user("Is that right? Answer yes or no.")
+    s += sgl.assistant(sgl.select("verdict", choices=["yes", "no"]))
+
+
+@sgl.function
+def begin_end_prog(s):
+    s += sgl.system_begin()
+    s += "Answer with numbers only."
+    s += sgl.system_end()
+    s += sgl.user_begin()
+    s += "How many legs does a spider have?"
+    s += sgl.user_end()
+    s += sgl.assistant_begin()
+    s += "Legs: " + sgl.gen("legs", regex=r"[0-9]{1,2}", max_tokens=4)
+    s += sgl.assistant_end()
+    s += sgl.user("Describe a spider as JSON.")
+    s += sgl.assistant(sgl.gen("info", json_schema=json.dumps(SPIDER_SCHEMA), max_tokens=40))
+
+
+@sgl.function
+def choices_fork_prog(s, topic):
+    s += f"Topic: {topic}.\n"
+    s += "Tone: " + sgl.gen("tone", choices=["serious", "funny", "sad"]) + "\n"
+    forks = s.fork(3)
+    for i, f in enumerate(forks):
+        f += f"Sentence {i + 1}:" + sgl.gen("line", max_tokens=8, stop="\n")
+    forks.join()
+    s += "Title:" + sgl.gen("title", max_tokens=6, stop="\n")
+
+
+def _check_parity_program_results(name: str, st) -> None:
+    """What each program must have made, whichever backend ran it (so the parity check is not vacuous)."""
+    v = st.variables
+    if name == "roles":
+        assert v["answer"] and "\n" not in v["answer"]
+        assert v["verdict"] in ("yes", "no")
+        assert [m["role"] for m in st.messages()] == ["system", "user", "assistant", "user", "assistant"]
+        assert st.messages()[2]["content"] == v["answer"]
+        assert st.messages()[4]["content"] == v["verdict"]
+    elif name == "begin_end":
+        assert re.fullmatch(r"[0-9]{1,2}", v["legs"])
+        info = json.loads(v["info"])
+        assert set(info) == {"name", "legs"} and isinstance(info["legs"], int)
+        assert [m["role"] for m in st.messages()] == ["system", "user", "assistant", "user", "assistant"]
+        assert st.messages()[1]["content"] == "How many legs does a spider have?"
+        assert st.messages()[2]["content"] == "Legs: " + v["legs"]
+    else:
+        assert v["tone"] in ("serious", "funny", "sad")
+        assert isinstance(v["line"], list) and len(v["line"]) == 3
+        assert all(isinstance(x, str) and x for x in v["line"])
+        assert st.text().endswith("Title:" + v["title"])
+        assert "Sentence 1:" not in st.text()  # gathered as variables, not appended to the parent
+
+
+PARITY_RUNS = {
+    "roles": lambda be: roles_prog.run(question="What is the capital of France?", backend=be, temperature=0),
+    "begin_end": lambda be: begin_end_prog.run(backend=be, temperature=0),
+    "choices_fork": lambda be: choices_fork_prog.run(topic="a rainy day", backend=be, temperature=0),
+}
+
+
+# --- every primitive, both native backends, identical results -----------------------------------------------
+@pytest.mark.parametrize("name", sorted(PARITY_RUNS))
+def test_engine_and_http_backends_give_identical_results(name, engine_backend, http_backend):
+    local = PARITY_RUNS[name](engine_backend)
+    remote = PARITY_RUNS[name](http_backend)
+    for st in (local, remote):
+        _check_parity_program_results(name, st)
+    assert local.text() == remote.text()
+    assert local.variables == remote.variables
+    assert local.messages() == remote.messages()
+
+
+def test_stop_string_is_not_part_of_the_variable(backend):
+    # "Sentence 1:" continues with 7 tokens of text and then "\n" as the 8th: the stop string completes on the
+    # last token max_tokens allows, and must still be cut off (OpenAI's stop semantics: the returned text never
+    # holds the stop sequence; a stop *token* on the last allowed step is already treated that way)
+    @sgl.function
+    def prog(s):
+        s += "Topic: a rainy day.\nTone: serious\nSentence 1:" + sgl.gen("line", max_tokens=8, stop="\n")
+        s += "|" + sgl.gen("more", max_tokens=12, stop="\n")
+
+    st = prog.run(backend=backend, temperature=0)
+    assert st["line"] and "\n" not in st["line"], st["line"]
+    assert st.get_meta_info("line")["finish_reason"] == {"type": "stop", "matched": "\n"}
+    assert "\n" not in st["more"], st["more"]
+    assert st.text().endswith("Sentence 1:" + st["line"] + "|" + st["more"])
+
+
+def test_role_blocks_use_the_model_chat_template(engine_backend, smol_engine):
+    st = roles_prog.run(question="What is 2+2?", backend=engine_backend, temperature=0)
+    msgs = [{"role": m["role"], "content": m["content"]} for m in st.messages()]
+    expected = smol_engine.tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert st.text() == expected
+
+
+# --- select against logprobs computed with the Engine --------------------------------------------------------
+SELECT_PROMPT = "Q: What is the capital of France?\nA: The capital of France is"
+SELECT_CHOICES = [" London", " Berlin", " Paris", " a small village in Spain"]
+
+
+def _direct_choice_logprobs(engine, prompt: str, choice: str) -> list[float]:
+    """The logprob of each of `choice`'s tokens after `prompt`, straight from the Engine."""
+    tok = engine.tokenizer
+    prefix = tok(prompt, add_special_tokens=True)["input_ids"]
+    ids = tok(prompt + choice, add_special_tokens=True)["input_ids"]
+    assert ids[: len(prefix)] == prefix  # the choice starts on a token boundary (else the test is ill-posed)
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                          logprob_start_len=len(prefix))
+    lps = [lp for lp, _tok in out["meta_info"]["input_token_logprobs"] if lp is not None]
+    assert len(lps) == len(ids) - len(prefix)
+    return lps
+
+
+@sgl.function
+def select_prog(s, choices, method):
+    s += SELECT_PROMPT
+    s += sgl.select("city", choices=choices, choices_method=method)
+
+
+def test_select_picks_the_highest_length_normalized_logprob(backend, smol_engine):
+    direct = [_direct_choice_logprobs(smol_engine, SELECT_PROMPT, c) for c in SELECT_CHOICES]
+    means = [sum(x) / len(x) for x in direct]
+    best = max(range(len(means)), key=lambda i: means[i])
+    assert best != 0 and sorted(means)[-1] - sorted(means)[-2] > 0.01  # a pick that means something
+
+    st = select_prog.run(choices=SELECT_CHOICES, method=sgl.token_length_normalized, backend=backend)
+    assert st["city"] == SELECT_CHOICES[best]
+    assert st.text() == SELECT_PROMPT + SELECT_CHOICES[best]
+    meta = st.get_meta_info("city")
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(means, abs=1e-3)
+    for got, want in zip(meta["input_token_logprobs"], direct):
+        assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_gen_with_choices_is_a_select(backend, smol_engine):
+    @sgl.function
+    def prog(s):
+        s += SELECT_PROMPT + sgl.gen("city", choices=SELECT_CHOICES)
+
+    direct = [_direct_choice_logprobs(smol_engine, SELECT_PROMPT, c) for c in SELECT_CHOICES]
+    means = [sum(x) / len(x) for x in direct]
+    st = prog.run(backend=backend)
+    assert st["city"] == SELECT_CHOICES[max(range(len(means)), key=lambda i: means[i])]
+    assert st.get_meta_info("city")["normalized_prompt_logprobs"] == pytest.approx(means, abs=1e-3)
+
+
+def test_select_greedy_token_selection(backend, smol_engine):
+    # distinct first tokens: greedy picks the choice whose first token is likeliest
+    choices = [" Berlin", " Paris", " London is"]
+    first = [_direct_choice_logprobs(smol_engine, SELECT_PROMPT, c)[0] for c in choices]
+    assert sorted(first)[-1] - sorted(first)[-2] > 0.01
+    st = select_prog.run(choices=choices, method=sgl.greedy_token_selection, backend=backend)
+    assert st["city"] in choices
+    assert st["city"] == choices[max(range(len(first)), key=lambda i: first[i])]
+
+
+def _direct_unconditional_logprobs(engine, choice: str) -> list[float]:
+    """The logprobs of `choice`'s tokens with no prompt (its first token has none: nothing precedes it)."""
+    ids = engine.tokenizer(choice, add_special_tokens=True)["input_ids"]
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                          logprob_start_len=0)
+    return [lp for lp, _tok in out["meta_info"]["input_token_logprobs"] if lp is not None]
+
+
+def test_select_unconditional_likelihood_normalized(backend, smol_engine):
+    st = select_prog.run(choices=SELECT_CHOICES, method=sgl.unconditional_likelihood_normalized, backend=backend)
+    assert st["city"] in SELECT_CHOICES
+    scores = st.get_meta_info("city")["normalized_prompt_logprobs"]
+    assert len(scores) == len(SELECT_CHOICES)
+    assert all(math.isfinite(x) for x in scores), scores  # single-token choices too
+    assert st["city"] == SELECT_CHOICES[max(range(len(scores)), key=lambda i: scores[i])]
+    # SGLang's definition: the mean over the choice's tokens of (logprob given the prompt - logprob given no
+    # prompt), the first token's unconditional logprob (which has no context) counting as 0
+    want = []
+    for c in SELECT_CHOICES:
+        cond = _direct_choice_logprobs(smol_engine, SELECT_PROMPT, c)
+        uncond = _direct_unconditional_logprobs(smol_engine, c)
+        assert len(uncond) == len(cond) - 1
+        want.append((sum(cond) - sum(uncond)) / len(cond))
+    assert scores == pytest.approx(want, abs=1e-3)
+
+
+# --- fork shares the prefix ----------------------------------------------------------------------------------
+@sgl.function
+def long_prefix_fork(s, prefix):
+    s += prefix
+    forks = s.fork(3)
+    forks += "\nQuestion"  # appended to every branch
+    for i, f in enumerate(forks):
+        f += f" {i + 1}: what is fact {i + 3} about? Answer:" + sgl.gen("ans", max_tokens=4)
+    forks.join()
+    s.set_var("branches", list(forks))
+
+
+def test_fork_branches_share_the_prefix(backend, smol_engine):
+    # a prefix no earlier request had (fresh nonce), so what is cached came from this program
+    prefix = f"Notes {uuid.uuid4().hex}.\n" + " ".join(
+        f"Fact {i}: the number {i} squared is {i * i}." for i in range(30))
+    n_prefix = len(smol_engine.tokenizer(prefix, add_special_tokens=True)["input_ids"])
+    assert n_prefix > 300
+    st = long_prefix_fork.run(prefix=prefix, backend=backend, temperature=0)
+    branches = st["branches"]
+    assert len(branches) == 3 and len(st["ans"]) == 3
+    for i, b in enumerate(branches):
+        meta = b.get_meta_info("ans")
+        assert meta["prompt_tokens"] > n_prefix
+        assert n_prefix - 2 <= meta["cached_tokens"] < meta["prompt_tokens"], (i, meta)
+        assert b["ans"] == st["ans"][i]
+        assert b.text() == prefix + f"\nQuestion {i + 1}: what is fact {i + 3} about? Answer:" + b["ans"]
+
+
+# --- run_batch equals runs one at a time ----------------------------------------------------------------------
+@sgl.function
+def batch_qa(s, question):
+    s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=8)
+    s += "\nSure: " + sgl.select("sure", choices=["yes", "no"])
+
+
+def test_run_batch_of_32_gives_what_each_gives_alone(backend):
+    args = [{"question": f"What is {i} plus {i % 7 + 1}?"} for i in range(16)] + \
+           [{"question": q} for q in ("Name a color.", "Name a fruit.", "Who wrote Hamlet?", "What is water?",
+                                      "Name a planet.", "What do cats eat?", "Where is Paris?", "Name a river.",
+                                      "What is 2+2?", "Name a bird.", "What is ice?", "Name a tree.",
+                                      "What is the sun?", "Name a metal.", "What is a noun?", "Name a dog breed.")]
+    assert len(args) == 32
+    batch = batch_qa.run_batch(args, backend=backend, temperature=0, num_threads=32)
+    assert len(batch) == 32
+    assert all(st.error is None for st in batch)
+    for kw, st in zip(args, batch):
+        alone = batch_qa.run(**kw, backend=backend, temperature=0)
+        assert st.text() == alone.text(), kw
+        assert st.variables == alone.variables, kw
+        assert st.text().startswith("Q: " + kw["question"] + "\nA:")
+    assert len({st["answer"] for st in batch}) > 1  # the programs really had their own arguments
+
+
+# --- streaming ---------------------------------------------------------------------------------------------
+@sgl.function
+def story(s):
+    s += sgl.user("Tell me a very short story about a cat.")
+    s += sgl.assistant(sgl.gen("story", max_tokens=24))
+    s += "Moral:" + sgl.gen("moral", max_tokens=6, stop="\n")
+
+
+def test_stream_text_iter_joins_to_the_variables(backend):
+    st = story.run(backend=backend, stream=True, temperature=0)
+    pieces = list(st.text_iter("story"))
+    assert len(pieces) > 1  # it streamed, not one piece at the end
+    assert "".join(pieces) == st["story"]
+    assert "".join(st.text_iter("moral")) == st["moral"]
+    assert "".join(st.text_iter()) == st.text()
+    plain = story.run(backend=backend, temperature=0)
+    assert plain.variables == st.variables and plain.text() == st.text()
+
+
+# --- SGLang's documented programs, unchanged -------------------------------------------------------------
+# (from SGLang's README / frontend docs and examples/frontend_language/usage/readme_examples.py; only the
+# max_tokens numbers are smaller, to fit a CPU)
+
+@sgl.function
+def multi_turn_question(s, question_1, question_2):
+    s += sgl.system("You are a helpful assistant.")
+    s += sgl.user(question_1)
+    s += sgl.assistant(sgl.gen("answer_1", max_tokens=16))
+    s += sgl.user(question_2)
+    s += sgl.assistant(sgl.gen("answer_2", max_tokens=16))
+
+
+@sgl.function
+def tool_use(s, question):
+    s += "To answer this question: " + question + ". "
+    s += "I need to use a " + sgl.gen("tool", choices=["calculator", "search engine"]) + ". "
+    if s["tool"] == "calculator":
+        s += "The math expression is" + sgl.gen("expression")
+    elif s["tool"] == "search engine":
+        s += "The key word to search is" + sgl.gen("word")
+
+
+@sgl.function
+def tip_suggestion(s):
+    s += (
+        "Here are two tips for staying healthy: "
+        "1. Balanced Diet. 2. Regular Exercise.\n\n"
+    )
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f"Now, expand tip {i+1} into a paragraph:\n"
+        f += sgl.gen(f"detailed_tip", max_tokens=16, stop="\n\n")
+    s += "Tip 1:" + forks[0]["detailed_tip"] + "\n"
+    s += "Tip 2:" + forks[1]["detailed_tip"] + "\n"
+    s += "In summary" + sgl.gen("summary")
+
+
+@sgl.function
+def regular_expression_gen(s):
+    s += "Q: What is the IP address of the Google DNS servers?\n"
+    s += "A: " + sgl.gen(
+        "answer",
+        temperature=0,
+        regex=r"((25[0-5]|2[0-4]\d|[01]?\d\d?).){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)",
+    )
+
+
+@sgl.function
+def text_qa(s, question):
+    s += "Q: " + question + "\n"
+    s += "A:" + sgl.gen("answer", stop="\n")
+
+
+@sgl.function
+def chat_example(s):
+    s += sgl.system("You are a helpful assistant.")
+    # Same as: s += s.system("You are a helpful assistant.")
+    with s.user():
+        s += "Question: What is the capital of France?"
+    s += sgl.assistant_begin()
+    s += "Answer: " + sgl.gen("answer", max_tokens=16, stop="\n")
+    s += sgl.assistant_end()
+
+
+def test_sglang_multi_turn_question(default_backend, http_backend):
+    default_backend(http_backend)
+    state = multi_turn_question.run(
+        question_1="What is the capital of the United States?",
+        question_2="List two local attractions.",
+        temperature=0,
+    )
+    roles = [m["role"] for m in state.messages()]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert state.messages()[2]["content"] == state["answer_1"] and state["answer_1"]
+    assert state.messages()[4]["content"] == state["answer_2"] and state["answer_2"]
+
+
+def test_sglang_tool_use_and_tip_suggestion(default_backend, http_backend):
+    default_backend(http_backend)
+    state = tool_use.run(question="What is 5 + 5?", max_new_tokens=8)
+    assert state["tool"] in ("calculator", "search engine")
+    assert ("expression" if state["tool"] == "calculator" else "word") in state.variables
+    meta = state.get_meta_info("tool")
+    assert len(meta["input_token_logprobs"]) == 2
+
+    state = tip_suggestion.run(max_new_tokens=8)
+    text = state.text()
+    assert text.startswith("Here are two tips for staying healthy: ")
+    assert "\nTip 1:" in text and "\nTip 2:" in text and "Now, expand tip" not in text
+    assert state.text().endswith("In summary" + state["summary"])
+
+
+def test_sglang_regex_batching_streaming(default_backend, http_backend):
+    default_backend(http_backend)
+    state = regular_expression_gen.run()
+    assert re.fullmatch(r"((25[0-5]|2[0-4]\d|[01]?\d\d?).){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)", state["answer"])
+
+    states = text_qa.run_batch(
+        [
+            {"question": "What is the capital of the United Kingdom?"},
+            {"question": "What is the capital of France?"},
+            {"question": "What is the capital of Japan?"},
+        ],
+        progress_bar=True,
+        max_new_tokens=12,
+    )
+    assert len(states) == 3
+    for st in states:
+        assert st.error is None and "\n" not in st["answer"]
+        assert st.text().startswith("Q: What is the capital of ")
+
+    state = text_qa.run(question="What is the capital of France?", temperature=0.1, stream=True,
+                        max_new_tokens=12)
+    streamed = "".join(state.text_iter())
+    assert streamed == state.text() and streamed.startswith("Q: What is the capital of France?\nA:")
+
+
+def test_sglang_chat_example_with_role_context_managers(default_backend, http_backend):
+    default_backend(http_backend)
+    state = chat_example.run(temperature=0)
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"]
+    assert state.messages()[1]["content"] == "Question: What is the capital of France?"
+    assert state.messages()[2]["content"] == "Answer: " + state["answer"]
+
+
+def test_set_default_backend_accepts_an_engine(default_backend, smol_engine, engine_backend):
+    default_backend(smol_engine)
+    be = sgl.get_default_backend()
+    try:
+        assert isinstance(be, sgl.EngineBackend) and be.engine is smol_engine
+        state = text_qa.run(question="What is the capital of Japan?", temperature=0, max_new_tokens=8)
+    finally:
+        be.shutdown()  # its own driver thread; the engine is not its to shut down
+    again = text_qa.run(question="What is the capital of Japan?", backend=engine_backend, temperature=0,
+                        max_new_tokens=8)
+    assert state.text() == again.text()
+
+
+# --- misuse and failing backends ------------------------------------------------------------------------------
+def test_unknown_variable_names_it_and_lists_the_existing(engine_backend):
+    @sgl.function
+    def prog(s):
+        s += "Say hi:" + sgl.gen("greeting", max_tokens=2)
+        s += "Again:" + sgl.gen("second", max_tokens=2)
+
+    st = prog.run(backend=engine_backend, temperature=0)
+    with pytest.raises(sgl.LangError) as e:
+        st["greting"]
+    msg = str(e.value)
+    assert "'greting'" in msg and "greeting" in msg and "second" in msg
+    with pytest.raises(sgl.LangError, match="greting"):
+        st.get_var("greting")
+
+
+def test_select_with_no_choices_is_an_error(engine_backend):
+    @sgl.function
+    def prog(s):
+        s += "Pick:" + sgl.select("x", choices=[])
+
+    with pytest.raises(sgl.LangError, match="non-empty"):
+        prog.run(backend=engine_backend)
+
+    @sgl.function
+    def prog2(s):
+        s += "Pick:" + sgl.gen("x", choices=[])
+
+    with pytest.raises(sgl.LangError, match="non-empty"):
+        prog2.run(backend=engine_backend)
+
+
+def test_endpoint_that_is_down_fails_at_construction():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # the port is closed now: nothing listens there
+    with pytest.raises(sgl.LangError, match=f"127.0.0.1:{port}"):
+        sgl.RuntimeEndpoint(f"http://127.0.0.1:{port}")
+
+
+@sgl.function
+def regex_prog(s, pattern):
+    s += "Two digits: " + sgl.gen("d", regex=pattern, max_tokens=4)
+
+
+def test_run_batch_keeps_a_failing_program_to_its_own_state(backend):
+    states = regex_prog.run_batch([{"pattern": r"[0-9]{2}"}, {"pattern": "("}, {"pattern": r"[1-5]"}],
+                                  backend=backend, temperature=0)
+    assert len(states) == 3
+    bad = states[1]
+    assert isinstance(bad.error, sgl.LangError)
+    assert "regex is not a valid regular expression" in str(bad.error), str(bad.error)
+    with pytest.raises(sgl.LangError):
+        bad.text()
+    assert states[0].error is None and re.fullmatch(r"[0-9]{2}", states[0]["d"])
+    assert states[2].error is None and re.fullmatch(r"[1-5]", states[2]["d"])
+    # run() of the failing program raises the same error
+    with pytest.raises(sgl.LangError, match="(?i)regex"):
+        regex_prog.run(pattern="(", backend=backend)
+
+
+def test_image_says_there_is_no_vision(engine_backend):
+    @sgl.function
+    def prog(s):
+        s += sgl.user(sgl.image("x.png") + "What is in this picture?")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=4))
+
+    with pytest.raises(sgl.LangError, match="no vision") as e:
+        prog.run(backend=engine_backend)
+    assert "x.png" in str(e.value)
+
+
+def test_role_end_without_begin_is_an_error(engine_backend):
+    @sgl.function
+    def prog(s):
+        s += "Hello"
+        s += sgl.assistant_end()
+
+    with pytest.raises(sgl.LangError, match=r"assistant_end\(\) without assistant_begin\(\)"):
+        prog.run(backend=engine_backend)
+
+    @sgl.function
+    def prog2(s):
+        s += sgl.user_begin() + "Hi"
+        s += sgl.assistant_end()
+
+    with pytest.raises(sgl.LangError, match="assistant_end"):
+        prog2.run(backend=engine_backend)
+
+
+# --- the OpenAI backend against the server's /v1 -------------------------------------------------------------
+@sgl.function
+def openai_chat(s, question):
+    s += sgl.system("You are a terse assistant.")
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=12))
+    s += sgl.user("Is Paris in France? Answer yes or no.")
+    s += sgl.assistant(sgl.select("yes_no", choices=["yes", "no"]))
+
+
+def test_openai_backend_chat_and_select(openai_backend, http_backend):
+    st = openai_chat.run(question="What is the capital of France?", backend=openai_backend, temperature=0)
+    assert st["answer"]
+    assert st["yes_no"] in ("yes", "no")
+    assert [m["role"] for m in st.messages()] == ["system", "user", "assistant", "user", "assistant"]
+    assert st.messages()[2]["content"] == st["answer"]
+    meta = st.get_meta_info("answer")
+    assert meta["completion_tokens"] <= 12 and meta["prompt_tokens"] > 0
+    # the server applies the same chat template the native backend's role blocks use: same answer
+    @sgl.function
+    def native(s, question):
+        s += sgl.system("You are a terse assistant.")
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=12))
+
+    assert native.run(question="What is the capital of France?", backend=http_backend,
+                      temperature=0)["answer"] == st["answer"]
+
+
+def test_openai_backend_gen_outside_assistant_is_an_error(openai_backend):
+    @sgl.function
+    def prog(s):
+        s += sgl.user("Hello")
+        s += "Reply: " + sgl.gen("x", max_tokens=4)
+
+    with pytest.raises(sgl.LangError, match="assistant"):
+        prog.run(backend=openai_backend)
