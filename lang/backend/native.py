@@ -75,19 +75,32 @@ class NativeBackend(Backend):
         item = _check_finished(self._request({"text": text, "sampling_params": {"max_new_tokens": 0}})[0])
         return int(item["meta_info"]["prompt_tokens"])
 
-    def _choice_logprobs(self, texts: list[str], start: int) -> list[list[float]]:
+    def _token_logprobs(self, texts: list[str], start: int) -> list[list[tuple[float | None, int]]]:
         items = self._request({"text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
                                "return_logprob": True, "logprob_start_len": start})
+        return [list(_check_finished(item)["meta_info"].get("input_token_logprobs") or []) for item in items]
+
+    def _choice_logprobs(self, texts: list[str], start: int) -> list[list[float]]:
+        return [[lp for lp, _tok in lps if lp is not None] for lps in self._token_logprobs(texts, start)]
+
+    def _conditional_logprobs(self, prefix: str, n_prefix: int, choices: list[str]) -> list[list[float]]:
+        """Per choice, the logprobs of its tokens after `prefix`. The tokenizer may merge the prefix's last
+        tokens with a choice's first (a trailing space joins the word: " lookup"), so the tail of the prefix is
+        scored too and each choice keeps the tokens from the first one that differs from the prefix alone."""
+        start = max(n_prefix - _BOUNDARY_TOKENS, 0)
+        alone, *withs = self._token_logprobs([prefix] + [prefix + c for c in choices], start)
+        tail = [tok for _lp, tok in alone]
         out = []
-        for item in items:
-            _check_finished(item)
-            lps = item["meta_info"].get("input_token_logprobs") or []
-            out.append([lp for lp, _tok in lps if lp is not None])
+        for lps in withs:
+            k = 0
+            while k < len(tail) and k < len(lps) and lps[k][1] == tail[k]:
+                k += 1
+            out.append([lp for lp, _tok in lps[k:] if lp is not None])
         return out
 
     def select(self, call: Call, choices: list[str], method, temperature: float) -> tuple[int, dict]:
         n_prefix = self.commit_prefix(call.text)
-        cond = self._choice_logprobs([call.text + c for c in choices], n_prefix)
+        cond = self._conditional_logprobs(call.text, n_prefix, choices)
         uncond = None
         if method.name == "unconditional_likelihood_normalized":
             uncond = self._choice_logprobs(list(choices), 0)
@@ -103,6 +116,9 @@ class NativeBackend(Backend):
         if uncond is not None:
             meta["unconditional_token_logprobs"] = uncond
         return best, meta
+
+
+_BOUNDARY_TOKENS = 4  # prefix tokens re-scored with each choice (see _conditional_logprobs)
 
 
 class RuntimeEndpoint(NativeBackend):

@@ -224,6 +224,34 @@ def test_gen_with_choices_is_a_select(backend, smol_engine):
     assert st.get_meta_info("city")["normalized_prompt_logprobs"] == pytest.approx(means, abs=1e-3)
 
 
+def test_select_after_a_trailing_space_scores_the_merged_token(backend, smol_engine):
+    """"...is " + "Paris" tokenizes as "...is" + " Paris": the choice's first token swallows the prefix's last
+    one. Each choice is scored from the first token that differs from the prefix alone, as the Engine sees it."""
+    prompt = SELECT_PROMPT.rstrip(" ") + " "
+    tok = smol_engine.tokenizer
+    prefix = tok(prompt)["input_ids"]
+    choices = [c.strip() for c in SELECT_CHOICES]
+    want = []
+    for c in choices:
+        ids = tok(prompt + c)["input_ids"]
+        k = next(i for i in range(len(prefix) + 1) if i == len(prefix) or ids[i] != prefix[i])
+        assert k < len(prefix)  # the boundary really merges (else this test checks nothing new)
+        out = smol_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                   logprob_start_len=k)
+        lps = [lp for lp, _t in out["meta_info"]["input_token_logprobs"] if lp is not None]
+        want.append(sum(lps) / len(lps))
+
+    @sgl.function
+    def prog(s):
+        s += prompt + sgl.select("city", choices=choices)
+
+    st = prog.run(backend=backend)
+    got = st.get_meta_info("city")["normalized_prompt_logprobs"]
+    assert all(math.isfinite(x) for x in got)
+    assert got == pytest.approx(want, abs=1e-3)
+    assert st["city"] == choices[max(range(len(want)), key=lambda i: want[i])]
+
+
 def test_select_greedy_token_selection(backend, smol_engine):
     # distinct first tokens: greedy picks the choice whose first token is likeliest
     choices = [" Berlin", " Paris", " London is"]

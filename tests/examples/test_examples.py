@@ -1,0 +1,203 @@
+"""Every program in examples/ runs as a user runs it (`python examples/NAME.py` from the repo root, as a
+subprocess) and does what it says. Each example ends with a `RESULT {json}` line; the checks below read it
+(and the printed text) and verify the claim independently of the example's own `ok`."""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 150  # seconds per example
+
+pytestmark = pytest.mark.slow
+
+
+def run_example(name: str, *args: str) -> tuple[dict, str]:
+    """Run examples/NAME.py; return its RESULT json and its stdout. Its whole process group (an example's
+    server included) is killed if it runs past the timeout, and must be gone when it exits."""
+    proc = subprocess.Popen([sys.executable, f"examples/{name}.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{name}.py ran past {TIMEOUT} s\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
+    leftover = _group_alive(proc.pid)
+    if leftover:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"{name}.py exited {proc.returncode}\n--- stdout ---\n{out[-3000:]}\n" \
+                                 f"--- stderr ---\n{err[-3000:]}"
+    assert not leftover, f"{name}.py exited but left processes running: {leftover}"
+    results = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 1, f"{name}.py printed {len(results)} RESULT lines:\n{out[-3000:]}"
+    result = json.loads(results[0])
+    assert result["ok"] is True
+    return result, out
+
+
+def _group_alive(pgid: int) -> list[str]:
+    """The live processes of process group `pgid`, but for zombies and multiprocessing's resource tracker (a
+    server's tracker exits by itself once the server is gone, maybe a moment after it)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid and "resource_tracker" not in cmd:  # state, ppid, pgrp
+            alive.append(f"{entry}: {cmd}")
+    return alive
+
+
+def _argmax(scores) -> int:
+    return max(range(len(scores)), key=lambda i: scores[i])
+
+
+def test_quick_start():
+    result, out = run_example("quick_start")
+    assert "paris" in result["answer"].lower()
+    assert 0 < result["completion_tokens"] <= 32
+    assert "<|im_start|>assistant\n" + result["answer"] in out  # the program text went through the chat template
+
+
+def test_json_extraction():
+    import jsonschema
+
+    result, out = run_example("json_extraction")
+    texts, invoice_text = result["texts"], result["invoice_text"]
+    assert len(result["people_raw"]) == len(texts) == 2
+    for raw, parsed, text in zip(result["people_raw"], result["people"], texts):
+        obj = json.loads(raw)  # what the model wrote is JSON ...
+        jsonschema.validate(obj, result["schema"])  # ... valid against the schema
+        assert obj == parsed
+        assert str(obj["age"]) in text  # and extracted from the text, not made up
+        assert obj["name"] and all(word in text for word in obj["name"].split())
+        assert obj["city"] and obj["city"] in text
+        assert repr(obj) in out  # the parsed value is printed
+    raw = result["invoice_raw"]
+    assert re.fullmatch(result["invoice_regex"], raw)
+    inv = json.loads(raw)
+    assert inv == result["invoice"]
+    assert str(inv["invoice"]) in invoice_text and inv["date"] in invoice_text
+    assert f"{inv['total']:.2f}" in invoice_text
+
+
+def test_classification():
+    result, out = run_example("classification")
+    rows, labels = result["rows"], result["labels"]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["label"] in labels
+        scores = [row["scores"][label] for label in labels]
+        assert all(math.isfinite(s) for s in scores)
+        assert labels[_argmax(scores)] == row["label"]  # select took the best-scoring choice
+        assert f" {row['label']:9s} " in out
+    assert len({row["label"] for row in rows}) > 1  # it tells the texts apart
+    assert result["correct"] == sum(row["label"] == row["expected"] for row in rows) >= 3
+
+
+def test_multi_turn_chat():
+    result, out = run_example("multi_turn_chat")
+    turns = result["turns"]
+    assert len(turns) == 3
+    assert result["roles"] == ["system"] + ["user", "assistant"] * 3
+    for turn in turns:
+        assert turn["assistant"].strip() and turn["assistant"] in out
+        assert 0 < turn["completion_tokens"] <= 40
+    for before, after in zip(turns, turns[1:]):
+        # the next turn's prompt holds the whole previous prompt (and reply): it must come from the cache
+        assert after["prompt_tokens"] > before["prompt_tokens"] + before["completion_tokens"]
+        assert after["cached_tokens"] >= before["prompt_tokens"]
+
+
+def _calc(expression: str) -> float:
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+    def ev(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        return ops[type(node.op)](ev(node.left), ev(node.right))
+    return ev(ast.parse(expression, mode="eval").body)
+
+
+def test_react_agent():
+    result, out = run_example("react_agent")
+    steps = result["steps"]
+    assert 1 <= len(steps) <= 4
+    tool_steps = [s for s in steps if s["action"] in result["tools"]]
+    assert tool_steps, "the agent called no tool"
+    for step in steps:
+        scores = list(step["scores"].values())
+        assert all(math.isfinite(s) for s in scores), f"select chose {step['action']!r} from scores {scores}"
+        assert list(step["scores"])[_argmax(scores)] == step["action"]
+    for step in tool_steps:
+        assert re.fullmatch(result["tool_regex"][step["action"]], step["input"])
+        if step["action"] == "lookup":
+            assert step["observation"] == str(result["population_millions"][step["input"]])
+        else:
+            assert float(step["observation"]) == pytest.approx(_calc(step["input"]), rel=1e-3)
+        assert f"Observation: {step['observation']}" in out
+    if steps[-1]["action"] == "finish":
+        assert result["answer"] == steps[-1]["input"]
+    else:
+        assert result["answer"] is None and len(steps) == 4
+
+
+def test_tree_of_thought():
+    result, out = run_example("tree_of_thought")
+    tree = result["tree"]
+    assert len(tree) == 3 and all(len(node["steps"]) == 2 for node in tree)
+    for node in tree:
+        assert node["idea"].strip() and node["idea"] in out
+        assert node["cached_tokens"] > 0  # the fork put the shared prefix in the cache before the branches ran
+        for step in node["steps"]:
+            assert step["step"].strip()
+            assert step["useful"] in ("yes", "no")
+            assert all(math.isfinite(s) for s in step["useful_scores"])
+            assert ("yes", "no")[_argmax(step["useful_scores"])] == step["useful"]
+    assert len({node["idea"] for node in tree}) > 1  # branches sampled with different seeds differ
+    assert result["best"] in ("1", "2", "3")
+    assert str(_argmax(result["best_scores"]) + 1) == result["best"]
+
+
+def test_rag_run_batch():
+    result, out = run_example("rag_run_batch")
+    rows = result["rows"]
+    assert len(rows) == 8
+    assert all(row["answer"].strip() for row in rows)
+    # one question computes the document; the others (batched with it) reuse it from the radix cache
+    cached = [row for row in rows if row["cached_tokens"] > 0]
+    assert len(cached) >= len(rows) - 1
+    assert all(row["cached_tokens"] >= row["prompt_tokens"] // 2 for row in cached)
+    assert result["cached_tokens"] == sum(row["cached_tokens"] for row in rows)
+    assert sum(row["expected"].lower() in row["answer"].lower() for row in rows) >= 6
+    for row in rows:
+        assert f"cached_tokens={row['cached_tokens']}" in out
+
+
+def test_rag_openai_client():
+    result, out = run_example("rag_openai_client")
+    rows = result["rows"]
+    assert len(rows) == 5 and result["model"]
+    assert all(row["answer"].strip() for row in rows)
+    for row in rows[1:]:  # every question after the first finds the document in the server's cache
+        assert row["cached_tokens"] >= row["prompt_tokens"] // 2
+    assert sum(row["expected"].lower() in row["answer"].lower() for row in rows) >= 3
+    for row in rows:
+        assert f"cached_tokens={row['cached_tokens']}" in out
