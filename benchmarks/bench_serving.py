@@ -47,6 +47,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -64,6 +65,9 @@ def make_dataset(args) -> list[RequestSpec]:
 
 def _make_specs(args, rng: random.Random) -> list[RequestSpec]:
     lo = lambda n: max(1, int(n * args.range_ratio))  # noqa: E731
+    if args.dataset == "json":
+        return [RequestSpec(f"Describe user {i} as a JSON record. Notes: " + words(rng, rng.randint(
+            lo(args.input_len), args.input_len)), args.output_len) for i in range(args.num_prompts)]
     if args.dataset == "random":
         return [RequestSpec(words(rng, rng.randint(lo(args.input_len), args.input_len)),
                             rng.randint(lo(args.output_len), args.output_len)) for _ in range(args.num_prompts)]
@@ -75,16 +79,39 @@ def _make_specs(args, rng: random.Random) -> list[RequestSpec]:
     return specs
 
 
+JSON_SCHEMA = {  # the --dataset json workload: a record of the usual field kinds, every string bounded
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "active": {"type": "boolean"},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "active", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
 async def one_request(client: httpx.AsyncClient, args, spec: RequestSpec) -> RequestResult:
     body = {"model": args.model, "prompt": spec.prompt, "max_tokens": spec.output_len, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    if args.eos_token_id is not None:
+    url = f"{args.base_url}/v1/completions"
+    if args.dataset == "json":  # chat + response_format; the grammar ends the answer, so EOS stays allowed
+        body.pop("prompt")
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "record", "schema": JSON_SCHEMA}}
+        url = f"{args.base_url}/v1/chat/completions"
+    elif args.eos_token_id is not None:
         body["logit_bias"] = {str(args.eos_token_id): -100}
     res = RequestResult()
     start = last = time.perf_counter()
     chunks = 0
     try:
-        async with client.stream("POST", f"{args.base_url}/v1/completions", json=body) as r:
+        async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
@@ -95,7 +122,10 @@ async def one_request(client: httpx.AsyncClient, args, spec: RequestSpec) -> Req
                 if data.get("usage"):
                     res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
                     res.output_tokens = data["usage"].get("completion_tokens", 0)
-                if any(c.get("text") for c in data.get("choices") or []):
+                piece = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                                for c in data.get("choices") or [])
+                res.text += piece
+                if piece:
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft = now - start
@@ -149,6 +179,14 @@ def wait_for_server(base_url: str, seconds: float) -> list[str]:
         time.sleep(0.5)
 
 
+def _valid_record(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(value) == set(JSON_SCHEMA["required"])
+
+
 def summarize(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
@@ -162,7 +200,8 @@ def main() -> None:
     ap.add_argument("--base-url", default="http://127.0.0.1:30000")
     ap.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     ap.add_argument("--label", default=None, help="name of this row in the report")
-    ap.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
+    ap.add_argument("--dataset", choices=("random", "shared-prefix", "json"), default="random",
+                    help="json: chat completions constrained by response_format (JSON_SCHEMA)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128, help="words per prompt (question, for shared-prefix)")
     ap.add_argument("--output-len", type=int, default=64)
@@ -191,6 +230,7 @@ def main() -> None:
     report = {
         "label": args.label or args.base_url, "config": vars(args) | {"request_rate": str(args.request_rate)},
         "completed": len(ok), "aborted": sum(r.aborted for r in results),
+        "valid_json": sum(_valid_record(r.text) for r in ok) if args.dataset == "json" else None,
         "failed": sum(not r.ok and not r.aborted for r in results),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": duration,

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 SERVING = [("random_c1", "random 512/128, c=1"), ("random_c32", "random 512/128, c=32"),
-           ("random_c128", "random 512/128, c=128"), ("shared_prefix", "shared prefix 8x1500 + 40, c=64")]
+           ("random_c128", "random 512/128, c=128"), ("shared_prefix", "shared prefix 8x1500 + 40, c=64"),
+           ("json", "JSON schema (response_format), c=64")]
 OFFLINE = [("offline_random", "offline random 256 x 512/256"), ("offline_sharegpt", "offline ShareGPT-like 1000")]
 
 
@@ -28,6 +29,12 @@ def rows(d: Path, peer: str = "vllm") -> list[dict]:
         ours, theirs = _load(d, "radixlm", name), _load(d, peer, name)
         if not ours or not theirs:
             continue
+        if name == "json":
+            out.append({"workload": title, "metric": "valid JSON", "radixlm": ours["valid_json"],
+                        peer: theirs["valid_json"], "ratio": None, "complete": True})
+            out.append({"workload": title, "metric": "requests/s", "radixlm": ours["request_throughput"],
+                        peer: theirs["request_throughput"],
+                        "ratio": ours["request_throughput"] / theirs["request_throughput"], "complete": True})
         for metric, key, higher_better in (("output tok/s", ("output_throughput",), True),
                                            ("TTFT mean ms", ("ttft_ms", "mean"), False),
                                            ("ITL mean ms", ("itl_ms", "mean"), False),

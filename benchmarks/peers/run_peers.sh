@@ -10,7 +10,7 @@
 set -u
 DEST=$1; ENGINE=$2; shift 2
 STAGES=" ${*:-serve offline} "
-WORKLOADS=" ${WORKLOADS:-c1 c32 c128 prefix} "
+WORKLOADS=" ${WORKLOADS:-c1 c32 c128 prefix json} "
 PEER_SITE=${PEER_SITE:-/tmp/vllm-site}
 MEM=0.85; CTX=8192; PORT=${PORT:-30000}; CFG=benchmarks/configs/llama-3.1-8b
 mkdir -p "$DEST"
@@ -28,7 +28,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ "$ENGINE" = vllm ]; then
     VERSION=$(vllm_env python -c "import vllm; print(vllm.__version__)" 2> /dev/null) || { echo "vllm not importable"; exit 1; }
     FLAGS="--load-format dummy --dtype bfloat16 --tokenizer $TOK --served-model-name llama-8b-dummy --port $PORT
-           --gpu-memory-utilization $MEM --max-model-len $CTX --no-enable-flashinfer-autotune"
+           --gpu-memory-utilization $MEM --max-model-len $CTX --no-enable-flashinfer-autotune
+           --structured-outputs-config {\"disable_any_whitespace\":true}"
     start_server() { vllm_env python -m vllm.entrypoints.cli.main serve $CFG $FLAGS > "$DEST/vllm_server.log" 2>&1 & }
 else
     VERSION=$(git rev-parse --short HEAD 2> /dev/null || echo unknown)
@@ -65,6 +66,8 @@ if stage serve; then
         --max-concurrency 128 --out "$DEST/${ENGINE}_random_c128.json" > /dev/null
     want prefix && $B --label $ENGINE-prefix --dataset shared-prefix --groups 8 --num-prompts 128 --system-len 1500 \
         --input-len 40 --output-len 64 --max-concurrency 64 --out "$DEST/${ENGINE}_shared_prefix.json" > /dev/null
+    want json && $B --label $ENGINE-json --dataset json --num-prompts 256 --input-len 64 --output-len 256 \
+        --max-concurrency 64 --out "$DEST/${ENGINE}_json.json" > /dev/null
     kill -INT $SERVER; wait $SERVER 2> /dev/null
     sleep 3  # let the GPU memory go before the offline engine starts
 fi
