@@ -9,6 +9,7 @@ import torch
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+GRAMMAR_BACKENDS = ("outlines", "xgrammar")
 
 
 def smollm_tokenizer():
@@ -154,3 +155,32 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def assert_engine_idle(engine) -> None:
+    """Nothing queued, running or waiting for a grammar; after a cache flush every KV slot, request row and
+    radix node is free and the scheduler's invariants hold."""
+    sch = engine.scheduler
+    assert not sch.waiting and not sch.running and sch.chunked is None
+    assert not sch.grammar.queue and not sch.has_work()
+    assert not engine.has_unfinished_requests()
+    assert engine.flush_cache()
+    assert sch.kv_pool.available_size() == sch.kv_pool.size
+    assert sch.req_pool.available_size() == sch.req_pool.size
+    assert sch.tree_cache.total_size() == 0 and sch.tree_cache.protected_size() == 0
+    sch.check_invariants()
+
+
+def assert_server_idle(url: str) -> None:
+    """The server's scheduler runs and queues nothing, no grammar waits, no request is in flight, and after
+    /flush_cache every KV slot is free again."""
+    import httpx
+
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    s = info["scheduler"]
+    assert s["num_running"] == 0 and s["num_waiting"] == 0 and s["grammar"]["waiting"] == 0, s
+    assert info["requests_in_flight"] == 0, info
+    r = httpx.post(f"{url}/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    s = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+    assert s["kv_free"] == s["kv_total"], s

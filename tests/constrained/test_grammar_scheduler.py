@@ -12,8 +12,8 @@ import pytest
 
 import radixlm
 from radixlm.srt.errors import GrammarError
+from tests.helpers import GRAMMAR_BACKENDS as BACKENDS, assert_engine_idle
 
-BACKENDS = ("outlines", "xgrammar")
 GREEDY = {"temperature": 0}
 COMPILE_TIMEOUT_S = 1  # the compile time limit of the `strict_engines` below
 MAX_STEPS = 20_000  # a bound on every step loop (an idle step waits at most a few ms on the compile pool)
@@ -68,24 +68,11 @@ BAD_REGEXES = {
 SLOW_REGEXES = {"outlines": r"\w?" * 40, "xgrammar": r"\w?" * 60}
 
 
-@pytest.fixture(scope="module")
-def xgrammar_engine():
-    engine = radixlm.Engine(grammar_backend="xgrammar", log_level="warning", max_total_tokens=16384)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(params=BACKENDS)
-def engine(request):
-    """The engine of each backend, jump-forward on, the default compile timeout."""
-    if request.param == "outlines":
-        e = request.getfixturevalue("smol_engine")
-        assert e.server_args.grammar_backend == "outlines"
-    else:
-        e = request.getfixturevalue("xgrammar_engine")
-    assert not e.server_args.disable_jump_forward
-    _assert_all_free(e)
-    return e
+@pytest.fixture
+def engine(engine):
+    """conftest's engine of each backend, checked idle before the test uses it."""
+    assert_engine_idle(engine)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -103,18 +90,6 @@ def strict_engines():
     yield get
     for e in made.values():
         e.shutdown()
-
-
-def _assert_all_free(engine):
-    sch = engine.scheduler
-    assert not sch.waiting and not sch.running and sch.chunked is None
-    assert not sch.grammar.queue and not sch.has_work()
-    assert not engine.has_unfinished_requests()
-    assert engine.flush_cache()
-    assert sch.kv_pool.available_size() == sch.kv_pool.size
-    assert sch.req_pool.available_size() == sch.req_pool.size
-    assert sch.tree_cache.total_size() == 0 and sch.tree_cache.protected_size() == 0
-    sch.check_invariants()
 
 
 def _grammar_stats(engine) -> dict:
@@ -181,7 +156,7 @@ def test_regex_corpus_outputs_fullmatch(engine):
         _assert_grammar_stop(engine, out)
     after = _grammar_stats(engine)
     assert after["failures"] == before["failures"] and after["timeouts"] == before["timeouts"]
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
 
 # --- 2. constrained and unconstrained requests in one batch -------------------------------------------------
@@ -227,7 +202,7 @@ def test_unconstrained_requests_unchanged_by_constrained_batchmates(engine):
             assert re.fullmatch(sp["regex"], outs[i]["text"]), (sp, outs[i]["text"])
         else:
             jsonschema.validate(json.loads(outs[i]["text"]), SMALL_SCHEMA)
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
 
 # --- 3. aborting requests in the middle of their grammar ---------------------------------------------------
@@ -279,12 +254,12 @@ def test_abort_mid_grammar_leaks_nothing(engine):
     del reqs, queued_req
     gc.collect()
     assert all(m() is None for m in matchers), "an aborted request's matcher is still referenced"
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
     # The engine goes on serving constrained requests.
     out = engine.generate("My favourite pet is a ", {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8})
     assert re.fullmatch(r"(cat|dog|bird)", out["text"])
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
 
 # --- 4. specs that fail to compile -------------------------------------------------------------------------
@@ -304,7 +279,7 @@ def test_compile_failure_fails_only_that_request(engine):
         _assert_failed(out, "regex", "cannot be compiled", reason)
     assert outs[-1]["meta_info"]["finish_reason"]["type"] in ("stop", "length") and outs[-1]["output_ids"]
     after = _grammar_stats(engine)
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
     # A failure is cached: the same spec fails again at once, with the same message.
     again = engine.generate("Answer: ", {"regex": bad[0][0], "max_new_tokens": 8})
@@ -317,7 +292,7 @@ def test_compile_failure_fails_only_that_request(engine):
             engine.add_request(["My favourite pet is a ", "Answer: "],
                                [{"regex": r"(cat|dog|bird)", "max_new_tokens": 8},
                                 {"regex": regex, "max_new_tokens": 8}])
-        _assert_all_free(engine)
+        assert_engine_idle(engine)
     if backend == "outlines":  # EBNF is an xgrammar feature
         with pytest.raises(GrammarError, match="xgrammar"):
             engine.generate("Answer: ", {"ebnf": 'root ::= "yes" | "no"', "max_new_tokens": 4})
@@ -326,7 +301,7 @@ def test_compile_failure_fails_only_that_request(engine):
         assert out["text"] in ("yes", "no")
         bad_ebnf = engine.generate("Answer: ", {"ebnf": 'root ::= "yes" | undefined_rule', "max_new_tokens": 4})
         _assert_failed(bad_ebnf, "EBNF grammar cannot be compiled", "undefined_rule", param="ebnf")
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
 
 # --- 5. a compile that takes too long ----------------------------------------------------------------------
@@ -371,14 +346,14 @@ def test_slow_compile_times_out_without_stalling_others(strict_engines, backend)
     _assert_failed(done[slow_rid], "took longer than", f"{COMPILE_TIMEOUT_S} s", "--grammar-compile-timeout")
     stats = _grammar_stats(engine)
     assert stats["timeouts"] == before["timeouts"] + 1 and stats["waiting"] == 0
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
     # The worker thread goes on until the compile ends; wait for it (bounded) so nothing outlives the test, and
     # the late result is not cached: a later request for that spec compiles it again.
     concurrent.futures.wait([slow_future], timeout=300)
     assert slow_future.done() and slow_future.exception() is None
     assert all(spec.spec != SLOW_REGEXES[backend] for spec in sch.grammar.manager.cache)
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
 
 # --- 6. jump-forward ---------------------------------------------------------------------------------------
@@ -391,7 +366,7 @@ def test_jump_forward_saves_forward_passes(request, strict_engines, backend):
     sp = {"json_schema": JF_SCHEMA, **GREEDY, "max_new_tokens": JF_MAX_NEW_TOKENS}
     results = {}
     for name, engine in (("on", on), ("off", off)):
-        _assert_all_free(engine)
+        assert_engine_idle(engine)
         passes, grammar = _forward_passes(engine), _grammar_stats(engine)
         outs = engine.generate(JF_PROMPTS, sp)
         for out in outs:
@@ -401,7 +376,7 @@ def test_jump_forward_saves_forward_passes(request, strict_engines, backend):
         results[name] = (_forward_passes(engine) - passes, g["jump_forward_tokens"] - grammar["jump_forward_tokens"],
                          g["jump_forward_events"] - grammar["jump_forward_events"],
                          sum(len(o["output_ids"]) for o in outs))
-        _assert_all_free(engine)
+        assert_engine_idle(engine)
     (on_passes, on_jf_tokens, on_jf_events, on_tokens), (off_passes, off_jf_tokens, off_jf_events, _) = (
         results["on"], results["off"])
     assert on_jf_events > 0 and on_jf_tokens >= 2 * on_jf_events  # each jump appends at least two tokens

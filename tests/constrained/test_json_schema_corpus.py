@@ -21,12 +21,11 @@ import openai
 import pytest
 from jsonschema import Draft202012Validator
 
-import radixlm
 from radixlm.srt.constrained.spec import check_supported, grammar_spec
 from radixlm.srt.errors import GrammarError
 from tests.constrained.schemas import BY_NAME, CASES
+from tests.helpers import GRAMMAR_BACKENDS as BACKENDS, assert_engine_idle, assert_server_idle
 
-BACKENDS = ("outlines", "xgrammar")
 MAX_NEW_TOKENS = 384
 MAX_RAMBLING = 4  # outputs allowed to run to the token limit inside an unbounded string (about 1 in 10)
 MIN_SUPPORTED = 40  # each backend must accept at least this many of the corpus
@@ -84,42 +83,7 @@ def _check_refusal(case, message: str, backend: str) -> str:
     return keyword
 
 
-def _assert_engine_clean(engine) -> None:
-    sch = engine.scheduler
-    assert not sch.waiting and not sch.running and sch.chunked is None and not sch.grammar.queue
-    assert not engine.has_unfinished_requests()
-    assert engine.flush_cache()
-    assert sch.kv_pool.available_size() == sch.kv_pool.size
-    assert sch.req_pool.available_size() == sch.req_pool.size
-    assert sch.tree_cache.total_size() == 0 and sch.tree_cache.protected_size() == 0
-    sch.check_invariants()
-
-
-def _assert_server_clean(server) -> None:
-    info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
-    s = info["scheduler"]
-    assert s["num_running"] == 0 and s["num_waiting"] == 0 and s["grammar"]["waiting"] == 0, s
-    assert info["requests_in_flight"] == 0
-    assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
-    s = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["scheduler"]
-    assert s["kv_free"] == s["kv_total"], s
-
-
 # --- fixtures --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def xgrammar_engine():
-    engine = radixlm.Engine(grammar_backend="xgrammar", log_level="warning", max_total_tokens=16384)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(params=BACKENDS)
-def engine(request):
-    eng = request.getfixturevalue("smol_engine" if request.param == "outlines" else "xgrammar_engine")
-    assert eng.server_args.grammar_backend == request.param
-    return eng
-
-
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -219,7 +183,7 @@ def test_supported_schemas_generate_valid_json(engine):
             failures.append(f"{case.name}: {text!r} does not validate: {errors}")
     assert not failures, f"{backend}: {len(failures)} of {len(supported)} outputs failed:\n" + "\n".join(failures)
     assert len(rambled) <= MAX_RAMBLING, f"{backend}: {len(rambled)} outputs ran to the token limit: {rambled}"
-    _assert_engine_clean(engine)
+    assert_engine_idle(engine)
 
 
 def test_unsupported_schemas_get_400_naming_the_keyword(engine):
@@ -243,7 +207,7 @@ def test_unsupported_schemas_get_400_naming_the_keyword(engine):
     if backend == "outlines":
         assert {"minimum", "exclusiveMinimum"} <= named  # numeric bounds it would not enforce
     assert {"uniqueItems", "not", "if", "patternProperties", "dependentRequired", "contains"} <= named
-    _assert_engine_clean(engine)
+    assert_engine_idle(engine)
 
 
 # --- the HTTP server (default backend: outlines) ------------------------------------------------------------
@@ -264,7 +228,7 @@ def test_http_response_format_output_validates(server, client):
         value = json.loads(choice.message.content)
         errors = [e.message for e in _validator(case.schema).iter_errors(value)]
         assert not errors, (case.name, choice.message.content, errors)
-    _assert_server_clean(server)
+    assert_server_idle(server.url)
 
 
 def test_http_unsupported_schemas_get_400_naming_the_keyword(server, client):
@@ -293,7 +257,7 @@ def test_http_unsupported_schemas_get_400_naming_the_keyword(server, client):
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "json_schema", error
         _check_refusal(case, error["message"], backend)
-    _assert_server_clean(server)
+    assert_server_idle(server.url)
     # the OpenAI contract: a bad response_format is a 400 whose `param` names that request field
     wrong = {name: p for name, p in chat_params.items() if p != "response_format"}
     assert not wrong, f"chat completions named the wrong param for response_format errors: {wrong}"

@@ -13,6 +13,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.helpers import assert_server_idle
+
 MODEL = "SmolLM2-135M-Instruct"
 BEGIN, END = "<tool_call>\n", "\n</tool_call>"  # the Hermes-style markup the model writes calls in
 
@@ -79,13 +81,7 @@ def nothing_leaked(server):
     """After this file's requests (good, bad, streamed, sampled): the scheduler is idle, no grammar waits, and
     after a cache flush every KV slot is free again."""
     yield
-    stats = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["scheduler"]
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
-    assert stats["grammar"]["waiting"] == 0, stats["grammar"]
-    r = httpx.post(f"{server.url}/flush_cache", timeout=30)
-    assert r.status_code == 200, r.text
-    stats = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["scheduler"]
-    assert stats["kv_free"] == stats["kv_total"], stats
+    assert_server_idle(server.url)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------

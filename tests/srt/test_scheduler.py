@@ -4,7 +4,7 @@ import random
 import pytest
 
 import radixlm
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import assert_engine_idle, make_tiny_checkpoint
 
 GREEDY = {"temperature": 0}
 
@@ -25,16 +25,6 @@ def _engine(path, mode="plain", **kw):
     return radixlm.Engine(str(path), log_level="warning", **MODES[mode], **kw)
 
 
-def _assert_all_free(engine):
-    sch = engine.scheduler
-    assert not sch.waiting and not sch.running and sch.chunked is None
-    assert engine.flush_cache()
-    assert sch.kv_pool.available_size() == sch.kv_pool.size
-    assert sch.req_pool.available_size() == sch.req_pool.size
-    assert sch.tree_cache.total_size() == 0 and sch.tree_cache.protected_size() == 0
-    sch.check_invariants()
-
-
 def test_shared_prefix_computes_a_fraction(tiny_dir):
     rng = random.Random(0)
     prefix = [rng.randrange(3, 512) for _ in range(1000)]
@@ -45,7 +35,7 @@ def test_shared_prefix_computes_a_fraction(tiny_dir):
         engine = _engine(tiny_dir, disable_radix_cache=disable, max_total_tokens=40000)
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
         results[disable] = ([o["output_ids"] for o in outs], engine.get_stats(), outs)
-        _assert_all_free(engine)
+        assert_engine_idle(engine)
     (on_ids, on, on_outs), (off_ids, off, _) = results[False], results[True]
     assert on_ids == off_ids
     assert off["computed_prefill_tokens"] == 32 * 1020
@@ -68,7 +58,7 @@ def test_chunked_prefill_matches_unchunked(tiny_dir, mode):
     a, b = ref["meta_info"]["input_token_logprobs"], out["meta_info"]["input_token_logprobs"]
     assert len(a) == len(b) == 300 and [t for _, t in a] == [t for _, t in b]
     assert max(abs(x - y) for (x, _), (y, _) in zip(a[1:], b[1:])) < 1e-4
-    _assert_all_free(chunked)
+    assert_engine_idle(chunked)
 
 
 @pytest.mark.parametrize("policy,mode", [("lpm", "plain"), ("dfs-weight", "plain"), ("fcfs", "plain"),
@@ -83,7 +73,7 @@ def test_policies_give_same_greedy_outputs(tiny_dir, policy, mode):
     got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
     assert got == [alone.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
     assert engine.get_stats()["cache_hit_rate"] > 0.3
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -113,7 +103,7 @@ def test_abort_while_waiting_mid_chunk_and_decoding(tiny_dir, mode):
     while engine.has_unfinished_requests():
         step()
     assert sorted(done.values()) == ["abort", "abort", "abort", "length"]
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -155,7 +145,7 @@ def test_500_requests_with_sharing_aborts_eviction_and_retraction(tiny_dir, mode
     assert stats["evicted_tokens"] > 0
     assert stats["cache_hit_rate"] > 0.2
     assert {r for r, u in results.items() if u["meta_info"]["finish_reason"]["type"] == "abort"} == aborted_by_us
-    _assert_all_free(engine)
+    assert_engine_idle(engine)
 
     reference = _engine(tiny_dir, max_total_tokens=4096, disable_radix_cache=True)
     alone = {}
