@@ -9,23 +9,9 @@ import openai
 
 import radixlm as sgl
 
-DOCUMENT = """The Lumen Valley Observatory was founded in 1962 by the astronomer Clara Whitfield. It sits on
-Mount Arden, 2,340 meters above sea level, about 80 kilometers north of the town of Brenholm. Its largest
-instrument is the Whitfield Telescope, a reflecting telescope with a mirror 3.6 meters across, installed in
-1988. The observatory is run by the University of Brenholm and employs 45 people, including 12 astronomers.
-Every year about 20,000 visitors come to its public open nights, which take place on the first Saturday of
-each month from April to October. In 2015 the observatory discovered a comet, later named Comet Arden, which
-passes near the Sun every 74 years. The site was chosen for its dry climate: it has clear skies on about
-300 nights a year."""
-SYSTEM = "Answer the question using only this document.\n\n" + DOCUMENT
+from rag_document import QUESTIONS as ALL_QUESTIONS, SYSTEM  # beside this script (shared with rag_run_batch.py)
 
-QUESTIONS = [  # (question, a word the right answer contains)
-    ("Who founded the observatory?", "Whitfield"),
-    ("In which year was the observatory founded?", "1962"),
-    ("How wide is the mirror of the Whitfield Telescope?", "3.6"),
-    ("Which university runs the observatory?", "Brenholm"),
-    ("What did the observatory discover in 2015?", "comet"),
-]
+QUESTIONS = [ALL_QUESTIONS[i] for i in (0, 1, 3, 4, 7)]  # five of them: the founder, year, mirror, university, comet
 
 
 def main() -> int:
