@@ -13,15 +13,13 @@ Workloads (fixed seeds):
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 import radixlm
-from workloads import offline_workload as workload
+from workloads import offline_report, offline_workload as workload
 
 
 def _number(v: str):
@@ -60,22 +58,13 @@ def main():
     start = time.perf_counter()
     outs = engine.generate(input_ids=[p for p, _ in data], sampling_params=params)
     elapsed = time.perf_counter() - start
-    n_in = sum(len(p) for p, _ in data)
-    n_out = sum(len(o["output_ids"]) for o in outs)
-    assert n_out == sum(n for _, n in data), "every request must produce exactly its output length"
     stats = engine.get_stats()
-    result = {"workload": args.workload, "num_prompts": len(data), "input_tokens": n_in, "output_tokens": n_out,
-              "seconds": elapsed, "output_tokens_per_s": n_out / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
-              "requests_per_s": len(data) / elapsed, "attention_backend": engine.runner.attn_backend_name,
-              "cuda_graph": engine.runner.graph_runner is not None, "overlap": engine.scheduler.overlap,
-              "device": torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else platform.processor(),
-              "engine_args": extra, "decode_steps": stats["decode_steps"], "extend_steps": stats["extend_steps"],
-              "retractions": stats["retractions"]}
-    print(f"{args.workload}: {len(data)} prompts, {n_in} in / {n_out} out tokens in {elapsed:.1f} s = "
-          f"{n_out / elapsed:.0f} output tok/s ({(n_in + n_out) / elapsed:.0f} total tok/s)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    offline_report(args, data, sum(len(o["output_ids"]) for o in outs), elapsed,
+                   attention_backend=engine.runner.attn_backend_name,
+                   cuda_graph=engine.runner.graph_runner is not None, overlap=engine.scheduler.overlap,
+                   device=torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else platform.processor(),
+                   engine_args=extra, decode_steps=stats["decode_steps"], extend_steps=stats["extend_steps"],
+                   retractions=stats["retractions"])
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ the wheelhouse install, see README.md), so it imports nothing of ours but benchm
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workloads import offline_workload  # noqa: E402
+from workloads import offline_report, offline_workload  # noqa: E402
 
 
 def main() -> None:
@@ -48,20 +47,9 @@ def main() -> None:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    n_in = sum(len(p) for p, _ in data)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n_out == sum(n for _, n in data), "every request must produce exactly its output length"
-    result = {"engine": "vllm", "version": vllm.__version__, "workload": args.workload, "num_prompts": len(data),
-              "input_tokens": n_in, "output_tokens": n_out, "seconds": elapsed,
-              "output_tokens_per_s": n_out / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
-              "requests_per_s": len(data) / elapsed, "device": torch.cuda.get_device_name(),
-              "engine_args": {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")}}
-    print(f"vllm {args.workload}: {len(data)} prompts, {n_in} in / {n_out} out tokens in {elapsed:.1f} s = "
-          f"{n_out / elapsed:.0f} output tok/s ({(n_in + n_out) / elapsed:.0f} total tok/s)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-
+    offline_report(args, data, sum(len(o.outputs[0].token_ids) for o in outs), elapsed, label="vllm ",
+                   engine="vllm", version=vllm.__version__, device=torch.cuda.get_device_name(),
+                   engine_args={k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")})
 
 if __name__ == "__main__":
     main()
