@@ -51,5 +51,6 @@ def main() -> None:
                    engine="vllm", version=vllm.__version__, device=torch.cuda.get_device_name(),
                    engine_args={k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")})
 
+
 if __name__ == "__main__":
     main()
