@@ -105,6 +105,9 @@ def main():
                             disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=max_bs,
                             max_total_tokens=max_bs * (args.context + 1) + 64, max_running_requests=max_bs)
     r = engine.runner
+    tuner = r.kernel_ops.tuner
+    for line in getattr(tuner, "report", []):
+        print("skinny matmul:", line, flush=True)
     rows = []
     graphs = r.graph_runner is not None
     for bs in args.batch_sizes:
@@ -121,7 +124,7 @@ def main():
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         dev = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else platform.processor()
         Path(args.out).write_text(json.dumps({"device": dev, "dtype": str(r.dtype), "model": args.model_path,
-                                              "rows": rows}, indent=2))
+                                              "skinny_matmul": getattr(tuner, "report", []), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

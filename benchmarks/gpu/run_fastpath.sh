@@ -90,7 +90,7 @@ if stage itl; then  # mixed chunked prefill with small chunks: inter-token laten
   fi_ready flashinfer
   for c in ${ITL_CHUNKS:-512 1024}; do
     echo "== serving c32, mixed chunk $c ($(left) s left)"
-    EXTRA="--enable-mixed-chunk --chunked-prefill-size $c" WORKLOADS="c32 c128" timeout $(left) \
+    EXTRA="--enable-mixed-chunk --chunked-prefill-size $c" WORKLOADS="${ITL_WORKLOADS:-c32 c128}" timeout $(left) \
       bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed_chunk$c 2>&1 | tail -4
     pack serving
   done

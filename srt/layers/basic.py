@@ -14,9 +14,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -42,11 +43,3 @@ class RMSNorm(nn.Module):
             return self.ops.rmsnorm(x, self.weight, self.eps)
         return self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
-
-class SiluAndMul(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ops = TORCH_OPS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_and_mul(x)

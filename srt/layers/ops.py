@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+import torch.nn.functional as F
+
 from radixlm.kernels.activation import silu_and_mul_ref
 from radixlm.kernels.norm import fused_add_rmsnorm_ref, rmsnorm_ref
 from radixlm.kernels.rope import rope_and_store_ref
@@ -22,9 +24,33 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # (positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_w, k_norm_w, eps) -> rotated q; stores k, v.
     rope_and_store: Callable[..., torch.Tensor]
+    # (x, weight, bias) -> x @ weight.T + bias
+    linear: Callable[..., torch.Tensor] = F.linear
+    # (x, gate_up weight, bias) -> silu(gate) * up of the fused projection
+    gate_up_silu: Callable[..., torch.Tensor] = lambda x, w, b: silu_and_mul_ref(F.linear(x, w, b))
+    # Times the skinny-matmul kernels against cuBLAS for the model's shapes (CUDA sets only).
+    tuner: object | None = None
 
 
 TORCH_OPS = KernelOps("torch", rmsnorm_ref, fused_add_rmsnorm_ref, silu_and_mul_ref, rope_and_store_ref)
+
+
+def _skinny_linears(silu_and_mul: Callable):
+    """linear and gate_up_silu that use our GEMV kernels for the (N, K, batch) where the tuner found them
+    faster than cuBLAS, and cuBLAS (+ `silu_and_mul`) elsewhere."""
+    from radixlm.kernels.gemv import GemvTuner, gemv, gemv_silu_mul
+
+    tuner = GemvTuner()
+
+    def linear(x, w, b=None):
+        cfg = tuner.lookup(x.shape[0], w, False) if x.dim() == 2 else None
+        return F.linear(x, w, b) if cfg is None else gemv(x, w, b, cfg)
+
+    def gate_up_silu(x, w, b=None):
+        cfg = tuner.lookup(x.shape[0], w, True) if x.dim() == 2 else None
+        return silu_and_mul(F.linear(x, w, b)) if cfg is None else gemv_silu_mul(x, w, b, cfg)
+
+    return linear, gate_up_silu, tuner
 
 
 def triton_ops() -> KernelOps:
@@ -32,7 +58,9 @@ def triton_ops() -> KernelOps:
     from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm
     from radixlm.kernels.rope import rope_and_store
 
-    return KernelOps("triton", rmsnorm, fused_add_rmsnorm_, silu_and_mul, rope_and_store)
+    linear, gate_up_silu, tuner = _skinny_linears(silu_and_mul)
+    return KernelOps("triton", rmsnorm, fused_add_rmsnorm_, silu_and_mul, rope_and_store, linear, gate_up_silu,
+                     tuner)
 
 
 def flashinfer_ops() -> KernelOps:
@@ -46,8 +74,9 @@ def flashinfer_ops() -> KernelOps:
         flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 
+    linear, gate_up_silu, tuner = _skinny_linears(flashinfer.activation.silu_and_mul)
     return KernelOps("flashinfer", lambda x, w, eps: flashinfer.norm.rmsnorm(x, w, eps), fused_add,
-                     flashinfer.activation.silu_and_mul, rope_and_store)
+                     flashinfer.activation.silu_and_mul, rope_and_store, linear, gate_up_silu, tuner)
 
 
 def select_kernel_ops(name: str, device: torch.device) -> KernelOps:
@@ -62,3 +91,19 @@ def select_kernel_ops(name: str, device: torch.device) -> KernelOps:
         if name == "triton":
             raise
         return TORCH_OPS
+
+
+def tune_skinny_linears(ops: KernelOps, model) -> list[str]:
+    """Times our GEMV kernels against cuBLAS once per distinct projection shape of `model` (CUDA only)."""
+    if ops.tuner is None:
+        return []
+    from radixlm.srt.layers.basic import Linear
+
+    shapes: dict[tuple[int, int, bool], torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            fused = name.endswith("gate_up_proj")
+            shapes.setdefault((*module.weight.shape, fused), module.weight)
+    head = model.lm_head_weight
+    shapes.setdefault((*head.shape, False), head)
+    return ops.tuner.tune([(w, key[2]) for key, w in shapes.items()])

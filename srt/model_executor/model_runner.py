@@ -4,12 +4,13 @@ launches its sampling and the one device->host copy of the results; neither wait
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.srt.layers.attention import create_backend, resolve_backend
-from radixlm.srt.layers.ops import select_kernel_ops
+from radixlm.srt.layers.ops import select_kernel_ops, tune_skinny_linears
 from radixlm.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, unpack_sample
 from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
@@ -83,6 +84,10 @@ class ModelRunner:
         self.graph_runner = None
         if self.device.type == "cuda":
             self.attn_backend.warmup()
+            t0 = time.perf_counter()
+            for line in tune_skinny_linears(self.kernel_ops, self.model):
+                logger.info("skinny matmul: %s", line)
+            logger.info("skinny matmul tuning took %.1f s", time.perf_counter() - t0)
             if self.attn_backend.supports_cuda_graph and not args.disable_cuda_graph:
                 from radixlm.srt.model_executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
 

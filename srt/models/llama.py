@@ -8,7 +8,7 @@ from torch import nn
 
 from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.attention.base import RadixAttention
-from radixlm.srt.layers.basic import Embedding, Linear, RMSNorm, SiluAndMul
+from radixlm.srt.layers.basic import Embedding, Linear, RMSNorm
 from radixlm.srt.layers.ops import TORCH_OPS, KernelOps
 from radixlm.srt.layers.rotary import RotaryEmbedding
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
@@ -49,10 +49,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = SiluAndMul()
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # The activation is fused into the gate_up projection where a kernel does that faster.
+        up = self.gate_up_proj
+        return self.down_proj(self.ops.gate_up_silu(x, up.weight, up.bias))
 
 
 class DecoderLayer(nn.Module):
@@ -99,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.ops = TORCH_OPS
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -115,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if fb.logits_indices is not None:
             hidden = hidden.index_select(0, fb.logits_indices)
-        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+        return self.ops.linear(hidden, self.lm_head_weight, None).float()
 
     # --- weights -------------------------------------------------------------------------------------------
     _STACKED = {  # checkpoint name part -> (our fused parameter, shard index)

@@ -147,3 +147,18 @@ def test_kv_indices():
     build_kv_indices_ref(r2t, rows, seq, indptr, ref)
     assert torch.equal(out, ref)
     assert (out[sum(lens):] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias", [(1, 37, 300, False), (3, 64, 256, True), (8, 20, 96, False)])
+def test_gemv(dtype, m, n, k, bias):
+    from radixlm.kernels.gemv import CONFIGS, _block_m, gemv, gemv_ref, gemv_silu_mul, gemv_silu_mul_ref
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(DEV, dtype)
+    b = torch.randn(2 * n, generator=g).to(DEV, dtype) if bias else None
+    for cfg in CONFIGS[_block_m(m)][:2]:  # the loop's masked tail (k % BLOCK_K) and the even path both run
+        assert rel_err(gemv(x, w, b, cfg), gemv_ref(x, w, b)) < tol(dtype)
+        # Three roundings to the activation dtype (gate, up, silu) on each side: half again the tolerance.
+        assert rel_err(gemv_silu_mul(x, w, b, cfg), gemv_silu_mul_ref(x, w, b)) < 1.5 * tol(dtype)

@@ -1,0 +1,186 @@
+"""Skinny matmuls for small decode batches: y = x @ W.T (+ bias) with x [M <= 8, K], W [N, K] row-major.
+
+At batch 1 a decode step is weight streaming: every layer's GEMMs read 0.44 GB of an 8B model's weights for a
+few FLOPs per byte, and cuBLAS picks tensor-core tiles sized for M >= 16 that leave the small projections
+short of the HBM peak. These kernels give each program a band of weight rows and stream it once along K,
+accumulating in fp32 on the CUDA cores. `gemv_silu_mul` also fuses the MLP activation into the gate_up
+projection: each program reads a band of gate rows and the matching up rows, and writes silu(gate) * up.
+Whether they beat cuBLAS depends on the shape and the GPU, so `GemvTuner` times both per (N, K, M) at start-up
+and the ops use the kernel only where it measured faster.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels._triton import tl, triton
+
+logger = logging.getLogger(__name__)
+
+MAX_M = 8
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, bias)
+
+
+def gemv_silu_mul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = F.linear(x, w, bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, up_offset,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    m_mask = rm < M
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    # fp32 partial sums over K stay per lane ([M, N, K] products) and are reduced once at the end, so the loop
+    # body is only loads and FMAs; the up rows (SILU_MUL) sit `up_offset` rows below the gate rows.
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_rows + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if SILU_MUL:
+            if EVEN_K:
+                u = tl.load(w_rows + up_offset * stride_wn + k0, mask=n_mask[:, None], other=0.0,
+                            eviction_policy="evict_first")
+            else:
+                u = tl.load(w_rows + up_offset * stride_wn + k0, mask=n_mask[:, None] & k_mask[None, :],
+                            other=0.0, eviction_policy="evict_first")
+            acc_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
+    out_ty = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        up = tl.sum(acc_up, axis=2)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + up_offset + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        # Round as the unfused path does: projection to the activation dtype, silu to it, then the product.
+        gate = y.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        y = act * up.to(out_ty).to(tl.float32)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# (BLOCK_N, BLOCK_K, num_warps) candidates; the tuner times them per shape. Register use grows with
+# BLOCK_M * BLOCK_N * BLOCK_K, so larger batches get the narrower tiles.
+CONFIGS: dict[int, list[tuple[int, int, int]]] = {
+    1: [(8, 256, 4), (16, 256, 4), (4, 512, 4), (16, 128, 4)],
+    2: [(8, 256, 4), (8, 128, 4), (4, 256, 4)],
+    4: [(8, 128, 4), (4, 256, 4), (4, 128, 4)],
+    8: [(4, 128, 4), (8, 64, 4), (2, 256, 4)],
+}
+
+
+def _block_m(m: int) -> int:
+    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
+
+
+def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0] // 2 if silu_mul else w.shape[0]
+    if silu_mul:
+        # Halving the tile keeps the two accumulators at one plain tile's registers.
+        config = (max(1, config[0] // 2), config[1], config[2])
+    block_n, block_k, warps = config
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), n,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
+        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8), w [N, K] contiguous rows -> [M, N]."""
+    assert x.shape[0] <= MAX_M and w.stride(1) == 1
+    return _launch(x, w, bias, False, config or CONFIGS[_block_m(x.shape[0])][0])
+
+
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8), w [2N, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, N]."""
+    assert x.shape[0] <= MAX_M and w.stride(1) == 1 and w.shape[0] % 2 == 0
+    return _launch(x, w, bias, True, config or CONFIGS[_block_m(x.shape[0])][0])
+
+
+class GemvTuner:
+    """Per (N, K, fused, M bucket): the fastest of cuBLAS (None) and the kernel's configs, timed on this GPU."""
+
+    def __init__(self):
+        self.choice: dict[tuple[int, int, bool, int], tuple[int, int, int] | None] = {}
+        self.report: list[str] = []
+
+    def lookup(self, m: int, w: torch.Tensor, silu_mul: bool) -> tuple[int, int, int] | None:
+        if m > MAX_M or m == 0:
+            return None
+        return self.choice.get((w.shape[0], w.shape[1], silu_mul, _block_m(m)))
+
+    def tune(self, weights: list[tuple[torch.Tensor, bool]], reps: int = 30) -> list[str]:
+        """weights: one (weight, fused with silu_mul) per distinct shape. Returns a line per decision."""
+        lines = []
+        for w, fused in weights:
+            for bm in CONFIGS:
+                key = (w.shape[0], w.shape[1], fused, bm)
+                if key in self.choice:
+                    continue
+                x = torch.randn(bm, w.shape[1], dtype=w.dtype, device=w.device)
+                ref = gemv_silu_mul_ref if fused else gemv_ref
+                base = _time(lambda: ref(x, w), reps)
+                best, best_t = None, base
+                for cfg in CONFIGS[bm]:
+                    fn = (lambda c=cfg: _launch(x, w, None, fused, c))
+                    if _rel_err(fn(), ref(x, w)) > 2e-2:  # a config that computes wrongly is never chosen
+                        continue
+                    t = _time(fn, reps)
+                    if t < best_t:
+                        best, best_t = cfg, t
+                self.choice[key] = best
+                lines.append(f"N={w.shape[0]} K={w.shape[1]} {'gate_up+silu ' if fused else ''}M<={bm}: "
+                             f"cuBLAS {base * 1e3:.1f} us, best {'cuBLAS' if best is None else best} "
+                             f"{best_t * 1e3:.1f} us")
+        self.report += lines
+        return lines
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _time(fn, reps: int) -> float:
+    """Median milliseconds per call; each timed call is preceded by a flush of L2 with a 64 MB write, as the
+    weights of a real step are not cache-resident."""
+    flush = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
