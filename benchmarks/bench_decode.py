@@ -63,7 +63,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         return r.sample(r.run_forward(spec), info).wait()[0].next_ids
 
     def plain():
-        return r.forward(spec.build(r.device, None)).argmax(-1).tolist()
+        return r.forward(spec.build(r.device, None), piecewise=False).argmax(-1).tolist()
 
     if profile:
         _profile(served, plain, profile, bs)
@@ -84,6 +84,40 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
     return out
 
 
+def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int) -> dict:
+    """One mixed step: `decode_bs` requests decoding at context `ctx` plus one new prompt of `prefill` tokens,
+    through the runner's forward (piecewise graphs where they fit) and fully eager."""
+    r = engine.runner
+    rows = [r.req_to_token_pool.alloc() for _ in range(decode_bs + 1)]
+    slots = r.token_to_kv_pool.alloc(decode_bs * (ctx + 1) + prefill)
+    for i, row in enumerate(rows[:decode_bs]):
+        r.req_to_token_pool.write(row, 0, slots[i * (ctx + 1):(i + 1) * (ctx + 1)])
+    new = slots[decode_bs * (ctx + 1):]
+    r.req_to_token_pool.write(rows[-1], 0, new)
+    loc = torch.cat([slots[:decode_bs * (ctx + 1)].view(decode_bs, ctx + 1)[:, ctx], new])
+    t = decode_bs + prefill
+    spec = BatchSpec(ForwardMode.EXTEND, [100 + i % 1000 for i in range(t)], [ctx] * decode_bs + list(range(prefill)),
+                     rows, [ctx + 1] * decode_bs + [prefill], loc, logits_indices=list(range(decode_bs)) + [t - 1],
+                     extend_prefix_lens=[ctx] * decode_bs + [0], extend_seq_lens=[1] * decode_bs + [prefill])
+    sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
+    out = {}
+    for name, pw in (("graphs", True), ("eager", False)):
+        for _ in range(3):
+            r.forward(spec.build(r.device, None), piecewise=pw)
+        times = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            r.forward(spec.build(r.device, None), piecewise=pw)
+            sync()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    r.token_to_kv_pool.free(slots)
+    for row in rows:
+        r.req_to_token_pool.free(row)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", default=None)
@@ -96,14 +130,18 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--mixed", nargs="*", default=[], metavar="DECODES:PROMPT",
+                    help="also time mixed steps, e.g. 32:512 (32 decodes + one 512-token prompt), graphs vs eager")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="append a kernel-time table per batch size to this file (CUDA)")
     args = ap.parse_args()
     max_bs = max(args.batch_sizes)
+    mixed = [tuple(int(v) for v in m.split(":")) for m in args.mixed]
+    tokens = max([max_bs * (args.context + 1)] + [d * (args.context + 1) + p for d, p in mixed]) + 64
     engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
                             dtype=args.dtype, log_level="warning", attention_backend=args.attention_backend,
                             disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=max_bs,
-                            max_total_tokens=max_bs * (args.context + 1) + 64, max_running_requests=max_bs)
+                            max_total_tokens=tokens, max_running_requests=max(max_bs, *(d + 1 for d, _ in mixed)))
     r = engine.runner
     tuner = r.kernel_ops.tuner
     for line in getattr(tuner, "report", []):
@@ -120,11 +158,19 @@ def main():
         extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
         print(f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "
               f"{bs / t['step']:9.1f} tokens/s{extra}", flush=True)
+    mixed_rows = []
+    for d, p in mixed:
+        t = mixed_times(engine, d, p, args.context, args.repeats)
+        mixed_rows.append({"decodes": d, "prompt": p, "context": args.context, "graphs_ms": t["graphs"] * 1e3,
+                           "eager_ms": t["eager"] * 1e3})
+        print(f"{r.attn_backend_name:>12} mixed {d} decodes + {p}-token prompt: {t['graphs'] * 1e3:8.2f} ms "
+              f"(piecewise graphs={r.piecewise_runner is not None}), eager {t['eager'] * 1e3:8.2f} ms", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         dev = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else platform.processor()
         Path(args.out).write_text(json.dumps({"device": dev, "dtype": str(r.dtype), "model": args.model_path,
-                                              "skinny_matmul": getattr(tuner, "report", []), "rows": rows}, indent=2))
+                                              "skinny_matmul": getattr(tuner, "report", []), "rows": rows,
+                                              "mixed": mixed_rows}, indent=2))
 
 
 if __name__ == "__main__":

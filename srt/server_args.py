@@ -52,6 +52,10 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying captured CUDA graphs")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph (default: 256 on "
                                          "GPUs of 60 GB or more, 160 from 30 GB, else 64)")
+    disable_piecewise_cuda_graph: bool = _opt(False, "run prefill and mixed batches fully eagerly instead of "
+                                              "replaying graphs of everything between attention calls")
+    piecewise_cuda_graph_max_tokens: int = _opt(4096, "largest prefill/mixed batch (tokens) run through the "
+                                                "piecewise CUDA graphs; larger ones run eagerly")
     disable_overlap_schedule: bool = _opt(False, "schedule the next step only after the current one's tokens "
                                           "are back on the host")
     force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "
@@ -66,7 +70,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.tp_size != 1:
             raise ValueError("tp_size: only 1 is supported so far")
-        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "cuda_graph_max_bs"):
+        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "cuda_graph_max_bs",
+                     "piecewise_cuda_graph_max_tokens"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -82,6 +82,7 @@ class ModelRunner:
                     self.max_total_tokens, self.max_total_tokens * bytes_per_token / 1e9,
                     self.max_running_requests, self.attn_backend_name, self.kernel_ops.name)
         self.graph_runner = None
+        self.piecewise_runner = None
         if self.device.type == "cuda":
             self.attn_backend.warmup()
             t0 = time.perf_counter()
@@ -94,6 +95,10 @@ class ModelRunner:
                 max_bs = min(args.cuda_graph_max_bs or default_cuda_graph_max_bs(self.device),
                              self.max_running_requests)
                 self.graph_runner = CudaGraphRunner(self, max_bs)
+            if not args.disable_cuda_graph and not args.disable_piecewise_cuda_graph:
+                from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
+
+                self.piecewise_runner = PiecewiseGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
 
     def _default_kv_tokens(self, bytes_per_token: int, args) -> int:
         if self.device.type == "cuda":
@@ -107,13 +112,17 @@ class ModelRunner:
         return max(1024, min(tokens, _CPU_MAX_KV_TOKENS))
 
     # --- forward -----------------------------------------------------------------------------------------------
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Eager forward of a prepared batch; float32 logits of its `logits_indices` rows."""
+    def forward(self, fb: ForwardBatch, piecewise: bool = True) -> torch.Tensor:
+        """Forward of a prepared batch (piecewise graphs where they fit, else eager); float32 logits of its
+        `logits_indices` rows."""
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         with torch.inference_mode():
             self.attn_backend.init_forward_metadata(fb)
+            pw = self.piecewise_runner
+            if piecewise and pw is not None and pw.can_run(fb):
+                return pw.forward(fb)
             return self.model(fb)
 
     def run_forward(self, spec: BatchSpec) -> torch.Tensor:

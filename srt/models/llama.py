@@ -31,17 +31,20 @@ class Attention(nn.Module):
         self.attn = RadixAttention(layer_id, self.h, self.kvh, self.d, self.d**-0.5)
         self.ops = TORCH_OPS
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def qkv_rope_store(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The projection, q/k norm (Qwen3) and rotary on q and k, k and v into the pool (one kernel where one
+        exists); returns the rotated q [T, heads, head_dim]."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(-1, self.h, self.d), k.view(-1, self.kvh, self.d), v.view(-1, self.kvh, self.d)
         pool = fb.token_to_kv_pool
-        # q/k norm (Qwen3) and rotary on q and k, and k, v into the pool, in one kernel where one exists.
-        q = self.ops.rope_and_store(positions, q, k, v, self.rotary.cos_sin, pool.k_buffer[self.layer_id],
-                                    pool.v_buffer[self.layer_id], fb.out_cache_loc,
-                                    self.q_norm.weight if self.qk_norm else None,
-                                    self.k_norm.weight if self.qk_norm else None,
-                                    self.q_norm.eps if self.qk_norm else 1e-6)
-        return self.o_proj(self.attn(q, fb))
+        return self.ops.rope_and_store(positions, q, k, v, self.rotary.cos_sin, pool.k_buffer[self.layer_id],
+                                       pool.v_buffer[self.layer_id], fb.out_cache_loc,
+                                       self.q_norm.weight if self.qk_norm else None,
+                                       self.k_norm.weight if self.qk_norm else None,
+                                       self.q_norm.eps if self.qk_norm else 1e-6)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_rope_store(positions, x, fb), fb))
 
 
 class MLP(nn.Module):
@@ -66,12 +69,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, fb: ForwardBatch):
+        q, residual = self.pre_attention(positions, x, residual, fb)
+        return self.post_attention(self.self_attn.attn(q, fb), residual)
+
+    # The two halves around the attention kernel: piecewise CUDA graphs capture these and run attention eagerly.
+    def pre_attention(self, positions, x, residual, fb: ForwardBatch):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, fb)
+        return self.self_attn.qkv_rope_store(positions, x, fb), residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        x = self.self_attn.o_proj(attn_out)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -115,7 +126,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits for the rows in `fb.logits_indices` (every row when it is None)."""
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.logits(self.model(fb.input_ids, fb.positions, fb), fb)
+
+    def logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if fb.logits_indices is not None:
             hidden = hidden.index_select(0, fb.logits_indices)
         return self.ops.linear(hidden, self.lm_head_weight, None).float()
