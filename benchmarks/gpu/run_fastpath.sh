@@ -6,6 +6,7 @@
 #   decode   decode step times per backend (graphs + eager) beside the plain PyTorch CUDA-graph step
 #   offline  bench_offline random 256 x 512/256 and ShareGPT-like 1000
 #   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
+#   quicktest  kernel + piecewise-graph + attention-backend tests;  serve  one server config (SERVE_* env)
 # FlashInfer compiles its kernels in the background from the start (about 280 s on a fresh machine); stages and
 # backends that need it wait for it. BUDGET (s, default 570) bounds the whole call; BACKENDS picks backends.
 # Usage (device tool): bash benchmarks/gpu/run_fastpath.sh DEST [stages...]
@@ -40,7 +41,7 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode offline serving itl diag profile
+# Stages run in this order: test check decode offline serving quicktest serve itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -65,7 +66,8 @@ if stage decode; then
   for b in $BACKENDS; do
     fi_ready $b; echo "== decode $b ($(left) s left)"
     timeout $(left) python benchmarks/bench_decode.py --model-path $CFG --load-format dummy --tokenizer-path $TOK \
-      --attention-backend $b --batch-sizes 1 32 128 --context 512 --eager --out /tmp/r/decode/decode_$b.json 2>&1 \
+      --attention-backend $b --batch-sizes 1 32 128 --context 512 --eager --mixed ${MIXED:-32:512 0:512 128:128} \
+      --out /tmp/r/decode/decode_$b.json 2>&1 \
       | grep -v -i warn
     pack decode
   done
@@ -84,6 +86,18 @@ if stage serving; then
   timeout $(left) bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/default 2>&1 | tail -8
   pack serving
   EXTRA="--enable-mixed-chunk" timeout $(left) bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed 2>&1 | tail -8
+  pack serving
+fi
+if stage quicktest; then  # the kernel and piecewise-graph tests only (no GGUF needed)
+  echo "== quicktest ($(left) s left)"
+  timeout $((BUDGET / 4)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_piecewise.py \
+    tests/srt/test_attention_backends.py 2>&1 | tail -30 | tee /tmp/r/test/pytest_quick.txt
+  pack test
+fi
+if stage serve; then  # one server config (SERVE_EXTRA flags) on SERVE_WORKLOADS, into serving/SERVE_LABEL
+  fi_ready flashinfer; echo "== serve ${SERVE_LABEL:-custom} ($(left) s left)"
+  EXTRA="${SERVE_EXTRA:-}" WORKLOADS="${SERVE_WORKLOADS:-c32 c1 c128 prefix}" timeout $(left) \
+    bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/${SERVE_LABEL:-custom} 2>&1 | tail -8
   pack serving
 fi
 if stage itl; then  # mixed chunked prefill with small chunks: inter-token latency tail at concurrency 32
