@@ -82,7 +82,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 # (BLOCK_N, BLOCK_K, num_warps) candidates; the tuner times them per shape. Register use grows with
 # BLOCK_M * BLOCK_N * BLOCK_K, so larger batches get the narrower tiles.
 CONFIGS: dict[int, list[tuple[int, int, int]]] = {
-    1: [(8, 256, 4), (16, 256, 4), (4, 512, 4), (16, 128, 4)],
+    1: [(8, 256, 4), (4, 512, 4), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8)],
     2: [(8, 256, 4), (8, 128, 4), (4, 256, 4)],
     4: [(8, 128, 4), (4, 256, 4), (4, 128, 4)],
     8: [(4, 128, 4), (8, 64, 4), (2, 256, 4)],
