@@ -4,6 +4,8 @@ scheduler step's kind (extend or decode), size and wall time. A decode stream's 
 steps between two of its tokens, so extend steps that carry no decode rows show up directly in ITL p99.
 
     python benchmarks/peers/profile_prefix.py TOKENIZER_DIR OUT.json [engine key=value ...]
+
+`workload=random` runs the random serving shape instead (512-token prompts, 128 output tokens, 32 in flight).
 """
 from __future__ import annotations
 
@@ -18,19 +20,25 @@ import radixlm
 tok, out = sys.argv[1], sys.argv[2]
 extra = dict(kv.split("=", 1) for kv in sys.argv[3:])
 extra = {k: {"true": True, "false": False}.get(v, v) for k, v in extra.items()}
+extra = {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in extra.items()}
+workload = extra.pop("workload", "prefix")
 eng = radixlm.Engine(model_path="benchmarks/configs/llama-3.1-8b", load_format="dummy", tokenizer_path=tok,
                      log_level="warning", **extra)
 rng = random.Random(0)
 systems = [[rng.randrange(1000, 40000) for _ in range(1500)] for _ in range(8)]
 prompts = [systems[i % 8] + [rng.randrange(1000, 40000) for _ in range(40)] for i in range(128)]
 params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+concurrency = 64
+if workload == "random":
+    prompts = [[rng.randrange(1000, 40000) for _ in range(512)] for _ in range(128)]
+    params["max_new_tokens"], concurrency = 128, 32
 eng.generate(input_ids=[p[:64] for p in prompts[:8]], sampling_params={**params, "max_new_tokens": 4})
 eng.flush_cache()
 
 pending, inflight, steps = list(prompts), 0, []
 start = last = time.perf_counter()
 while pending or inflight:
-    while pending and inflight < 64:
+    while pending and inflight < concurrency:
         eng.add_request(input_ids=pending.pop(0), sampling_params=params)
         inflight += 1
     updates = eng.step()
@@ -48,12 +56,15 @@ def summary(kind: str) -> dict:
     toks = [s.get("tokens", 0) for s in steps if s.get("mode") == kind]
     if not ms:
         return {"steps": 0}
-    return {"steps": len(ms), "ms_sum": sum(ms), "ms_mean": statistics.mean(ms), "ms_max": max(ms),
+    q = statistics.quantiles(ms, n=100) if len(ms) > 1 else ms * 99
+    return {"steps": len(ms), "ms_sum": sum(ms), "ms_mean": statistics.mean(ms), "ms_p50": q[49],
+            "ms_p99": q[98], "ms_max": max(ms),
             "tokens_mean": statistics.mean(toks), "tokens_max": max(toks),
             "with_decode_riders": sum(1 for s in steps if s.get("mode") == kind and s.get("decode_riders"))}
 
 
-res = {"engine_args": extra, "seconds": total, "output_tokens_per_s": 128 * 64 / total,
+n_out = len(prompts) * params["max_new_tokens"]
+res = {"engine_args": extra, "workload": workload, "seconds": total, "output_tokens_per_s": n_out / total,
        "extend": summary("extend"), "decode": summary("decode"), "steps": steps}
-print(f"{total:.2f} s, {128 * 64 / total:.0f} output tok/s; extend {res['extend']}; decode {res['decode']}")
+print(f"{workload}: {total:.2f} s, {n_out / total:.0f} output tok/s; extend {res['extend']}; decode {res['decode']}")
 json.dump(res, open(out, "w"), indent=1)
