@@ -5,10 +5,12 @@ steps between two of its tokens, so extend steps that carry no decode rows show 
 
     python benchmarks/peers/profile_prefix.py TOKENIZER_DIR OUT.json [engine key=value ...]
 
-`workload=random` runs the random serving shape instead (512-token prompts, 128 output tokens, 32 in flight).
+`workload=random` runs the random serving shape instead (512-token prompts, 128 output tokens, 32 in flight);
+`gc_ab=true` runs it a second time with Python's cyclic collector let back at everything alive (see below).
 """
 from __future__ import annotations
 
+import gc
 import json
 import random
 import statistics
@@ -22,8 +24,10 @@ extra = dict(kv.split("=", 1) for kv in sys.argv[3:])
 extra = {k: {"true": True, "false": False}.get(v, v) for k, v in extra.items()}
 extra = {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in extra.items()}
 workload = extra.pop("workload", "prefix")
-eng = radixlm.Engine(model_path="benchmarks/configs/llama-3.1-8b", load_format="dummy", tokenizer_path=tok,
-                     log_level="warning", **extra)
+gc_ab = extra.pop("gc_ab", False)
+model_path = extra.pop("model_path", "benchmarks/configs/llama-3.1-8b")
+load_format = extra.pop("load_format", "dummy")
+eng = radixlm.Engine(model_path=model_path, load_format=load_format, tokenizer_path=tok, log_level="warning", **extra)
 rng = random.Random(0)
 systems = [[rng.randrange(1000, 40000) for _ in range(1500)] for _ in range(8)]
 prompts = [systems[i % 8] + [rng.randrange(1000, 40000) for _ in range(40)] for i in range(128)]
@@ -35,23 +39,18 @@ if workload == "random":
 eng.generate(input_ids=[p[:64] for p in prompts[:8]], sampling_params={**params, "max_new_tokens": 4})
 eng.flush_cache()
 
-pending, inflight, steps = list(prompts), 0, []
-start = last = time.perf_counter()
-while pending or inflight:
-    while pending and inflight < concurrency:
-        eng.add_request(input_ids=pending.pop(0), sampling_params=params)
-        inflight += 1
-    updates = eng.step()
-    now = time.perf_counter()
-    inflight -= sum(1 for u in updates if u["finished"])
-    info = dict(eng.scheduler.last_step or {})
-    info["ms"] = (now - last) * 1e3
-    steps.append(info)
-    last = now
-total = time.perf_counter() - start
+gc_ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
+gc_start = [0.0]
 
 
-def summary(kind: str) -> dict:
+def _gc_timer(phase: str, info: dict) -> None:  # how long the cyclic collector stalls the stepping thread
+    if phase == "start":
+        gc_start[0] = time.perf_counter()
+    else:
+        gc_ms[info["generation"]].append((time.perf_counter() - gc_start[0]) * 1e3)
+
+
+def summary(steps: list[dict], kind: str) -> dict:
     ms = [s["ms"] for s in steps if s.get("mode") == kind]
     toks = [s.get("tokens", 0) for s in steps if s.get("mode") == kind]
     if not ms:
@@ -63,8 +62,39 @@ def summary(kind: str) -> dict:
             "with_decode_riders": sum(1 for s in steps if s.get("mode") == kind and s.get("decode_riders"))}
 
 
-n_out = len(prompts) * params["max_new_tokens"]
-res = {"engine_args": extra, "workload": workload, "seconds": total, "output_tokens_per_s": n_out / total,
-       "extend": summary("extend"), "decode": summary("decode"), "steps": steps}
-print(f"{workload}: {total:.2f} s, {n_out / total:.0f} output tok/s; extend {res['extend']}; decode {res['decode']}")
-json.dump(res, open(out, "w"), indent=1)
+def run(label: str) -> dict:
+    for v in gc_ms.values():
+        v.clear()
+    pending, inflight, steps = list(prompts), 0, []
+    start = last = time.perf_counter()
+    while pending or inflight:
+        while pending and inflight < concurrency:
+            eng.add_request(input_ids=pending.pop(0), sampling_params=params)
+            inflight += 1
+        updates = eng.step()
+        now = time.perf_counter()
+        inflight -= sum(1 for u in updates if u["finished"])
+        info = dict(eng.scheduler.last_step or {})
+        info["ms"] = (now - last) * 1e3
+        steps.append(info)
+        last = now
+    total = time.perf_counter() - start
+    eng.flush_cache()
+    n_out = len(prompts) * params["max_new_tokens"]
+    res = {"run": label, "seconds": total, "output_tokens_per_s": n_out / total,
+           "extend": summary(steps, "extend"), "decode": summary(steps, "decode"),
+           "gc": {g: {"count": len(v), "ms_sum": sum(v), "ms_max": max(v, default=0)} for g, v in gc_ms.items()},
+           "steps": steps}
+    print(f"{workload} {label}: {total:.2f} s, {n_out / total:.0f} output tok/s; extend "
+          f"{ {k: v for k, v in res['extend'].items()} }; decode {res['decode']}; gc {res['gc']}", flush=True)
+    return res
+
+
+gc.callbacks.append(_gc_timer)
+# The scheduler froze everything alive at start-up out of the collector's reach; gc_ab=true also runs the same
+# workload with that undone, to show what the collector costs a step.
+runs = [run("gc frozen")]
+if gc_ab:
+    gc.unfreeze()
+    runs.append(run("gc unfrozen"))
+json.dump({"engine_args": extra, "workload": workload, "runs": runs}, open(out, "w"), indent=1)

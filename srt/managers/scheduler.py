@@ -16,6 +16,7 @@ while the forward runs, so penalties and (later) grammar masks see every token.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -93,6 +94,10 @@ class Scheduler:
         self._outputs: list[TokenOutput] = []
         self.grammar = SchedulerGrammar(args, tokenizer, runner.vocab_size, runner.config.eos_token_ids,
                                         runner.device)
+        # Everything alive now (model, tokenizer, graphs) lives as long as the process: keep it out of the
+        # cyclic collector's full passes, which otherwise walk it mid-serving and stall a step by milliseconds.
+        gc.collect()
+        gc.freeze()
 
     # --- public interface ----------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
