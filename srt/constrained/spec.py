@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import re
 
+# Imported at module level: a machine without jsonschema fails at start-up, not per schema request.
+from jsonschema import Draft202012Validator, SchemaError
+
 from radixlm.srt.constrained.base import GrammarSpec
 from radixlm.srt.errors import GrammarError
 
@@ -49,8 +52,6 @@ def parse_json_schema(value) -> str:
     if not isinstance(value, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object (a schema)", param="json_schema")
     if isinstance(value, dict):
-        from jsonschema import Draft202012Validator, SchemaError
-
         try:
             Draft202012Validator.check_schema(value)
         except SchemaError as e:

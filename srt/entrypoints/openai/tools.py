@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import uuid
 
+# Imported at module level: a machine without jsonschema fails at start-up, not per schema request.
+from jsonschema import Draft202012Validator, SchemaError
+
 from radixlm.srt.constrained.spec import MAX_SCHEMA_DEPTH, json_depth
 from radixlm.srt.constrained.tool_grammar import BEGIN, END
 from radixlm.srt.errors import InvalidRequest
@@ -62,8 +65,6 @@ def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], str, str |
 
 def _check_schema(schema: dict, where: str) -> None:
     """A parameters schema must be a valid JSON Schema, and one some arguments satisfy."""
-    from jsonschema import Draft202012Validator, SchemaError
-
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
