@@ -67,54 +67,59 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
 
     if profile:
         _profile(served, plain, profile, bs)
-    out = {}
-    for name, fn in [("step", served)] + ([("eager", plain)] if eager else []):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            sync()
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        out[name] = statistics.median(times)
-    r.token_to_kv_pool.free(slots)
-    for row in rows:
-        r.req_to_token_pool.free(row)
+    timed = [("step", served)] + ([("eager", plain)] if eager else [])
+    out = {name: _median_s(fn, repeats, sync) for name, fn in timed}
+    release(r, slots, rows)
     return out
 
 
-def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int) -> dict:
-    """One mixed step: `decode_bs` requests decoding at context `ctx` plus one new prompt of `prefill` tokens,
-    through the runner's forward (piecewise graphs where they fit) and fully eager."""
-    r = engine.runner
-    rows = [r.req_to_token_pool.alloc() for _ in range(decode_bs + 1)]
-    slots = r.token_to_kv_pool.alloc(decode_bs * (ctx + 1) + prefill)
-    for i, row in enumerate(rows[:decode_bs]):
+def _median_s(fn, repeats: int, sync) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def mixed_spec(r, decodes: int, ctx: int, prompt: int, ids: list[int] | None = None,
+               all_logits: bool = False) -> tuple[BatchSpec, torch.Tensor, list[int]]:
+    """An extend batch of `decodes` requests decoding at context `ctx` plus one new `prompt`-token request, on
+    runner `r`'s pools; returns (spec, KV slots, request rows) for `release`. Logits: each request's last row,
+    or every row."""
+    rows = [r.req_to_token_pool.alloc() for _ in range(decodes + 1)]
+    slots = r.token_to_kv_pool.alloc(decodes * (ctx + 1) + prompt)
+    for i, row in enumerate(rows[:decodes]):
         r.req_to_token_pool.write(row, 0, slots[i * (ctx + 1):(i + 1) * (ctx + 1)])
-    new = slots[decode_bs * (ctx + 1):]
+    new = slots[decodes * (ctx + 1):]
     r.req_to_token_pool.write(rows[-1], 0, new)
-    loc = torch.cat([slots[:decode_bs * (ctx + 1)].view(decode_bs, ctx + 1)[:, ctx], new])
-    t = decode_bs + prefill
-    spec = BatchSpec(ForwardMode.EXTEND, [100 + i % 1000 for i in range(t)], [ctx] * decode_bs + list(range(prefill)),
-                     rows, [ctx + 1] * decode_bs + [prefill], loc, logits_indices=list(range(decode_bs)) + [t - 1],
-                     extend_prefix_lens=[ctx] * decode_bs + [0], extend_seq_lens=[1] * decode_bs + [prefill])
-    sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
-    out = {}
-    for name, pw in (("graphs", True), ("eager", False)):
-        for _ in range(3):
-            r.forward(spec.build(r.device, None), piecewise=pw)
-        times = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            r.forward(spec.build(r.device, None), piecewise=pw)
-            sync()
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
+    loc = torch.cat([slots[:decodes * (ctx + 1)].view(decodes, ctx + 1)[:, ctx], new])
+    t = decodes + prompt
+    spec = BatchSpec(ForwardMode.EXTEND, ids or [100 + i % 1000 for i in range(t)],
+                     [ctx] * decodes + list(range(prompt)), rows, [ctx + 1] * decodes + [prompt], loc,
+                     logits_indices=list(range(t)) if all_logits else list(range(decodes)) + [t - 1],
+                     extend_prefix_lens=[ctx] * decodes + [0], extend_seq_lens=[1] * decodes + [prompt])
+    return spec, slots, rows
+
+
+def release(r, slots: torch.Tensor, rows: list[int]) -> None:
     r.token_to_kv_pool.free(slots)
     for row in rows:
         r.req_to_token_pool.free(row)
+
+
+def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int) -> dict:
+    """One mixed step (`mixed_spec`) through the runner's forward (piecewise graphs where they fit) and eager."""
+    r = engine.runner
+    spec, slots, rows = mixed_spec(r, decode_bs, ctx, prefill)
+    sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
+    out = {name: _median_s(lambda pw=pw: r.forward(spec.build(r.device, None), piecewise=pw), repeats, sync)
+           for name, pw in (("graphs", True), ("eager", False))}
+    release(r, slots, rows)
     return out
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
+from benchmarks.bench_decode import mixed_spec, release
 from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner, token_buckets
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -14,24 +14,6 @@ GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 def _engine(path, **kw):
     return radixlm.Engine(str(path), log_level="warning", max_total_tokens=4096, device=DEVICE, dtype="float32",
                           attention_backend="torch_native", disable_cuda_graph=True, **kw)
-
-
-def _mixed_spec(runner, decodes: int, ctx: int, prompt: int):
-    """`decodes` requests decoding at context `ctx` and one new `prompt`-token request, as one extend batch."""
-    rows = [runner.req_to_token_pool.alloc() for _ in range(decodes + 1)]
-    slots = runner.token_to_kv_pool.alloc(decodes * (ctx + 1) + prompt)
-    for i, row in enumerate(rows[:decodes]):
-        runner.req_to_token_pool.write(row, 0, slots[i * (ctx + 1):(i + 1) * (ctx + 1)])
-    new = slots[decodes * (ctx + 1):]
-    runner.req_to_token_pool.write(rows[-1], 0, new)
-    loc = torch.cat([slots[:decodes * (ctx + 1)].view(decodes, ctx + 1)[:, ctx], new])
-    t = decodes + prompt
-    g = torch.Generator().manual_seed(t)
-    ids = torch.randint(3, 200, (t,), generator=g).tolist()
-    spec = BatchSpec(ForwardMode.EXTEND, ids, [ctx] * decodes + list(range(prompt)), rows,
-                     [ctx + 1] * decodes + [prompt], loc, logits_indices=list(range(decodes)) + list(range(decodes, t)),
-                     extend_prefix_lens=[ctx] * decodes + [0], extend_seq_lens=[1] * decodes + [prompt])
-    return spec, slots, rows
 
 
 def test_token_buckets():
@@ -48,7 +30,8 @@ def test_piecewise_forward_matches_eager(tiny_dirs, arch):
     kv = r.token_to_kv_pool
     # 3 decodes at context 5 + a 21-token prompt = 24 tokens, padded to the 32 bucket; then an exact bucket.
     for decodes, prompt in ((3, 21), (0, 16)):
-        spec, slots, rows = _mixed_spec(r, decodes, 5, prompt)
+        ids = torch.randint(3, 200, (decodes + prompt,), generator=torch.Generator().manual_seed(prompt)).tolist()
+        spec, slots, rows = mixed_spec(r, decodes, 5, prompt, ids, all_logits=True)
         torch.manual_seed(0)
         for buf in (kv.k_buffer, kv.v_buffer):  # the batch's new slots and the padding slot start as noise
             for layer in buf:
@@ -63,9 +46,7 @@ def test_piecewise_forward_matches_eager(tiny_dirs, arch):
         after = [b[layer] for b in (kv.k_buffer, kv.v_buffer) for layer in range(len(b))]
         for before, now in zip(untouched, after):
             assert torch.allclose(now[1:], before[1:], rtol=1e-5, atol=1e-6)
-        kv.free(slots)
-        for row in rows:
-            r.req_to_token_pool.free(row)
+        release(r, slots, rows)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
