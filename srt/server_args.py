@@ -7,6 +7,7 @@ import typing
 from dataclasses import dataclass, field
 
 from radixlm.srt.layers.attention import BACKENDS as ATTENTION_BACKENDS
+from radixlm.srt.layers.quantization import QUANTIZATION_METHODS
 
 
 def _opt(default, help: str, choices: tuple | None = None):
@@ -23,6 +24,9 @@ class ServerArgs:
     load_format: str = _opt("auto", "auto: read the checkpoint; dummy: random weights from config.json (benchmarks)",
                             ("auto", "dummy"))
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto")
+    quantization: str = _opt("none", "none: weights dequantized to --dtype; gguf: keep a GGUF file's Q4_0/Q4_1 "
+                             "linear weights 4-bit in memory and run them through torch's int4 matmul in bf16 "
+                             "(CPU only; the output projection runs as two bf16 GEMMs)", QUANTIZATION_METHODS)
     context_length: int | None = _opt(None, "override the model's maximum context length")
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP

@@ -34,7 +34,8 @@ class Engine:
         torch.manual_seed(args.random_seed)
         self.loaded = load_model(args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
                                  device=args.device, context_length=args.context_length,
-                                 served_model_name=args.served_model_name, load_format=args.load_format)
+                                 served_model_name=args.served_model_name, load_format=args.load_format,
+                                 quantization=args.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, args)
         self.scheduler = Scheduler(self.runner, self.tokenizer, args)

@@ -2,11 +2,19 @@
 Layers that compute through a kernel hold the runner's `KernelOps` set in `ops` (torch references by default)."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlm.srt.layers.ops import TORCH_OPS
+
+
+class QuantizedMatmul(Protocol):
+    """A weight kept in another form than `Linear.weight` (srt/layers/quantization/): x @ W.T in x's dtype."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Linear(nn.Module):
@@ -15,8 +23,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.ops = TORCH_OPS
+        # Set by the loader for quantized checkpoints; `weight` is then an empty placeholder.
+        self.quant: QuantizedMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant.matmul(x)
+            return y if self.bias is None else y + self.bias
         return self.ops.linear(x, self.weight, self.bias)
 
 

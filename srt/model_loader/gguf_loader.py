@@ -8,6 +8,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from tqdm import tqdm
 from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.model_loader.default_model import cache_dir
 from radixlm.srt.model_loader.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from radixlm.srt.layers.quantization.gguf_int4 import Q4Blocks
 
 logger = logging.getLogger(__name__)
 
@@ -104,20 +108,39 @@ class GGUFCheckpoint:
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
         )
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`."""
-        cfg = self.config
+    def weights(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`; HF names in `skip` are left out."""
         for t in tqdm(self.reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
             name = _hf_name(t.name)
             if name is None:
                 logger.warning("skipping unknown GGUF tensor %s", t.name)
                 continue
-            array = self.gguf.dequantize(t.data, t.tensor_type)
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                # llama.cpp's converter interleaves the rotary halves of Q/K rows; undo it for rotate-half rope.
-                n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-                array = _unpermute(array, n)
+            if name in skip:
+                continue
+            array = self._rows_for_rope(name, self.gguf.dequantize(t.data, t.tensor_type))
             yield name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+
+    def q4_weights(self) -> Iterator[tuple[str, "Q4Blocks"]]:
+        """Yield (HF name, blocks) for the 2-D Q4_0/Q4_1 tensors, still quantized, rows in our layout."""
+        from radixlm.srt.layers.quantization.gguf_int4 import Q4Blocks  # noqa: PLC0415
+
+        q4 = {self.gguf.GGMLQuantizationType.Q4_0: "Q4_0", self.gguf.GGMLQuantizationType.Q4_1: "Q4_1"}
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            kind = q4.get(t.tensor_type)
+            if name is None or kind is None or len(t.shape) != 2:
+                continue
+            k, n = (int(v) for v in t.shape)  # GGUF lists dimensions innermost first
+            blocks = Q4Blocks.from_gguf(t.data, kind, n, k)
+            yield name, blocks.map_rows(lambda a: self._rows_for_rope(name, a))
+
+    def _rows_for_rope(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """llama.cpp's converter interleaves the rotary halves of Q/K rows; undo it for rotate-half rope.
+        Works on any array whose first axis is the weight's rows (dequantized weights or block parts)."""
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            cfg = self.config
+            return _unpermute(rows, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        return rows
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer  # noqa: PLC0415

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.layers.quantization import QUANTIZATION_METHODS, load_gguf_quantized
 from radixlm.srt.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
 from radixlm.srt.model_loader.hf_loader import HFCheckpoint, load_tokenizer
@@ -90,7 +91,7 @@ def open_checkpoint(model_path: str | None, dummy: bool = False) -> tuple[GGUFCh
 
 def load_model(model_path: str | None = None, *, tokenizer_path: str | None = None, dtype: str = "auto",
                device: str = "auto", context_length: int | None = None, served_model_name: str | None = None,
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", quantization: str = "none") -> LoadedModel:
     start = time.perf_counter()
     ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
     config = ckpt.config
@@ -102,6 +103,7 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
         config = dataclasses.replace(config, context_length=context_length)
     dev = resolve_device(device)
     run_dtype = resolve_dtype(dtype, config, dev)
+    _check_quantization(quantization, ckpt, dev, load_format)
     model_cls = MODEL_REGISTRY[config.architecture]
     old_default = torch.get_default_dtype()
     torch.set_default_dtype(run_dtype)
@@ -112,6 +114,8 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
         torch.set_default_dtype(old_default)
     if load_format == "dummy":
         _random_weights(model)
+    elif quantization == "gguf":
+        load_gguf_quantized(model, ckpt, run_dtype)
     else:
         model.load_weights(ckpt.weights(run_dtype))
     model.eval()
@@ -119,9 +123,24 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config.eos_token_ids = [tokenizer.eos_token_id]
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s on %s) in %.1f s", name, config.architecture, run_dtype, dev, seconds)
+    logger.info("loaded %s (%s, %s on %s, quantization %s) in %.1f s", name, config.architecture, run_dtype, dev,
+                quantization, seconds)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, device=dev, dtype=run_dtype,
                        model_path=resolved, served_model_name=served_model_name or name, load_seconds=seconds)
+
+
+def _check_quantization(quantization: str, ckpt, device: torch.device, load_format: str) -> None:
+    if quantization == "none":
+        return
+    if quantization != "gguf":
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}",
+                             param="quantization")
+    if not isinstance(ckpt, GGUFCheckpoint) or load_format == "dummy":
+        raise ModelLoadError("quantization=gguf keeps a GGUF file's quantized weights: it needs a .gguf "
+                             f"checkpoint, but {ckpt.path} is not one", param="quantization")
+    if device.type != "cpu":
+        raise ModelLoadError(f"quantization=gguf runs through torch's int4 CPU matmul and supports only the cpu "
+                             f"device so far, not {device}", param="quantization")
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from torch import nn
 
 from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.attention.base import RadixAttention
-from radixlm.srt.layers.basic import Embedding, Linear, RMSNorm
+from radixlm.srt.layers.basic import Embedding, Linear, QuantizedMatmul, RMSNorm
 from radixlm.srt.layers.ops import TORCH_OPS, KernelOps
 from radixlm.srt.layers.rotary import RotaryEmbedding
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
@@ -57,6 +57,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The activation is fused into the gate_up projection where a kernel does that faster.
         up = self.gate_up_proj
+        if up.quant is not None:
+            return self.down_proj(self.ops.silu_and_mul(up(x)))
         return self.down_proj(self.ops.gate_up_silu(x, up.weight, up.bias))
 
 
@@ -113,6 +115,8 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.ops = TORCH_OPS
+        # The output projection in another form than lm_head_weight (quantized loading), when set.
+        self.lm_head_quant: QuantizedMatmul | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -131,6 +135,10 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if fb.logits_indices is not None:
             hidden = hidden.index_select(0, fb.logits_indices)
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant.matmul(hidden).float()
+        if not self.config.tie_word_embeddings:
+            return self.lm_head(hidden).float()  # honours lm_head.quant
         return self.ops.linear(hidden, self.lm_head_weight, None).float()
 
     # --- weights -------------------------------------------------------------------------------------------
@@ -147,11 +155,19 @@ class LlamaForCausalLM(nn.Module):
         n = cfg.intermediate_size
         return (shard * n, (shard + 1) * n)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def checkpoint_target(self, name: str) -> tuple[str, int | None, int]:
+        """Where a checkpoint tensor goes: (our parameter name, shard index or None, shards of that parameter)."""
+        for part, (fused, shard) in self._STACKED.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), shard, 3 if fused == "qkv_proj" else 2
+        return name, None, 1
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefilled: frozenset[str] = frozenset()) -> None:
+        """`prefilled`: parameters the caller already filled some other way (quantized linears)."""
         params = dict(self.named_parameters())
-        pending = {name: 1 for name in params}
+        pending = {name: 1 for name in params if name not in prefilled}
         for fused in ("qkv_proj", "gate_up_proj"):
-            for name in params:
+            for name in pending:
                 if f".{fused}." in name:
                     pending[name] = 3 if fused == "qkv_proj" else 2
         for name, tensor in weights:
@@ -159,12 +175,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, rows = name, None
-            for part, (fused, shard) in self._STACKED.items():
-                if f".{part}." in name:
-                    target = name.replace(part, fused)
-                    rows = self._shard_bounds(fused, shard)
-                    break
+            target, shard, _ = self.checkpoint_target(name)
+            rows = None if shard is None else self._shard_bounds(target.split(".")[-2], shard)
             param = params.get(target)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}",

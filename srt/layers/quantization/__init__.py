@@ -1,0 +1,61 @@
+"""Weights kept quantized in memory (`--quantization`, names as in SGLang).
+
+none: every weight dequantized to the run dtype (the reference path).
+gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit and run through torch's int4 CPU matmul
+      (gguf_int4.py); the output projection runs as two bf16 GEMMs (hi + lo parts); the rest is dequantized
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from radixlm.srt.layers.basic import Linear
+from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, SplitBf16Linear, Q4Blocks
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("none", "gguf")
+
+
+def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
+    """Fill `model` from a GGUFCheckpoint: Q4 linears packed into `Linear.quant` (their fp32 weight freed),
+    the rest through the ordinary dequantizing path."""
+    modules = dict(model.named_modules())
+    shards: dict[str, dict[int, Q4Blocks]] = {}
+    skip: set[str] = set()  # checkpoint names already consumed
+    prefilled: set[str] = set()  # our parameter names already filled
+    names: dict[str, list[str]] = {}
+    packed_bytes = 0
+    for name, blocks in ckpt.q4_weights():
+        target, shard, count = model.checkpoint_target(name)
+        module_name = target.rpartition(".")[0]
+        if not target.endswith(".weight") or not isinstance(modules.get(module_name), Linear):
+            continue
+        parts = shards.setdefault(target, {})
+        parts[shard or 0] = blocks
+        names.setdefault(target, []).append(name)
+        if len(parts) < count:
+            continue  # pack a fused projection once all its shards are here
+        linear = modules[module_name]
+        fused = Q4Blocks.cat([parts[i] for i in range(count)])
+        if tuple(fused.q.shape) != tuple(linear.weight.shape):
+            raise ValueError(f"GGUF tensor(s) {names[target]} give {tuple(fused.q.shape)}, "
+                             f"{target} expects {tuple(linear.weight.shape)}")
+        linear.quant = Int4Linear.from_blocks(fused)
+        packed_bytes += linear.quant.nbytes()
+        # An empty placeholder: the fp32 copy would be most of the process's memory.
+        linear.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        del shards[target]
+        skip.update(names.pop(target))
+        prefilled.add(target)
+    # Shards of a projection whose other shards are not Q4 (mixed-type files) load dequantized.
+    model.load_weights(ckpt.weights(dtype, skip=frozenset(skip)), prefilled=frozenset(prefilled))
+    head = getattr(model, "lm_head", None)
+    if head is None or head.quant is None:
+        model.lm_head_quant = SplitBf16Linear.from_weight(model.lm_head_weight.detach())
+        if head is not None:  # untied: the fp32 head is no longer read
+            head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    logger.info("gguf quantization: %d linears kept in int4 (%.1f MB), output projection in bf16 hi + lo",
+                len(prefilled), packed_bytes / 1e6)

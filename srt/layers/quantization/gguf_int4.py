@@ -1,0 +1,114 @@
+"""GGUF Q4_0 / Q4_1 weights kept as 4-bit blocks and run through torch's int4 CPU matmul.
+
+Both types are blocks of 32 weights along K with one fp16 scale d (and for Q4_1 one fp16 offset m):
+Q4_0 w = d * (q - 8), Q4_1 w = d * q + m, q in 0..15. torch's `_weight_int4pack_mm_for_cpu` computes
+w = (q - 8) * scale + zero per group of 32, so both map exactly: scale = d, zero = 0 (Q4_0) or m + 8d (Q4_1).
+Only its bf16 path is vectorized (fp32 input falls back to scalar code ~30-100x slower), so `matmul` runs the
+product in bf16 and hands back the caller's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # weights per GGUF block, and the group size we give the int4 op
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass
+class Q4Blocks:
+    """One GGUF tensor's blocks split into parts: nibbles q [N, K] (uint8, 0..15) and per-block scale d and
+    offset m [N, K/32] (float32; m is zero for Q4_0, whose offset -8d is folded in by the op's q - 8)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @classmethod
+    def from_gguf(cls, data: np.ndarray, kind: str, n: int, k: int) -> "Q4Blocks":
+        nbytes = _BLOCK_BYTES[kind]
+        b = torch.from_numpy(np.asarray(data).reshape(n, k // GROUP, nbytes).copy())
+        d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+        if kind == "Q4_1":
+            m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+        else:
+            m = -8 * d  # so that d * q + m is Q4_0's d * (q - 8)
+        qs = b[..., nbytes - 16:]
+        # byte j holds element j in its low nibble and element j + 16 in its high nibble
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+        return cls(q, d, m)
+
+    def map_rows(self, fn) -> "Q4Blocks":
+        """Apply a row permutation (the loader's rotary unpermute) to every part alike: blocks run along K,
+        so whole rows move with their scales."""
+        return Q4Blocks(*(torch.from_numpy(np.ascontiguousarray(fn(t.numpy()))) for t in (self.q, self.d, self.m)))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.float().view(n, k // GROUP, GROUP) * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)
+        return w.view(n, k)
+
+    @staticmethod
+    def cat(parts: list["Q4Blocks"]) -> "Q4Blocks":
+        """Stack along N (fused projections: qkv, gate_up)."""
+        return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+
+
+def scales_and_zeros(blocks: Q4Blocks, dtype: torch.dtype) -> torch.Tensor:
+    """The op's [K/32, N, 2] (scale, zero) table in the activation dtype. In bf16 the fp16 scales lose 3 bits
+    of mantissa: that rounding, with bf16 activations, is the whole error of the fast path (fp32 is exact)."""
+    return torch.stack([blocks.d.t(), (blocks.m + 8 * blocks.d).t()], dim=-1).to(dtype).contiguous()
+
+
+@dataclass
+class Int4Linear:
+    """x @ W.T on a packed int4 weight: `packed` [N, K/2] uint8 in the op's layout, `scales_zeros`
+    [K/32, N, 2] bf16 (scale, zero) per group."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_blocks(cls, blocks: Q4Blocks) -> "Int4Linear":
+        n, k = blocks.q.shape
+        if n % 16 or k % GROUP:
+            raise ValueError(f"int4 CPU matmul needs N % 16 == 0 and K % 32 == 0, got {n}x{k}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
+        return cls(packed, scales_and_zeros(blocks, torch.bfloat16), n, k)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+@dataclass
+class SplitBf16Linear:
+    """A weight run as two bf16 GEMMs, w = hi + lo (the tied lm_head, Q8_0 in the file). oneDNN's bf16 GEMM
+    on AVX-512 BF16 is ~3x faster than fp32 at batch 1, but one bf16 copy of the head (8-bit mantissa) flips
+    the first greedy token of the France prompt; hi + lo keeps ~16 bits, and the greedy answers then match
+    the fp32 head's. Two passes over half-size weights still beat one fp32 pass."""
+
+    hi: torch.Tensor
+    lo: torch.Tensor
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor) -> "SplitBf16Linear":
+        hi = w.to(torch.bfloat16)
+        return cls(hi, (w.float() - hi.float()).to(torch.bfloat16))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        return F.linear(xb, self.hi).to(x.dtype) + F.linear(xb, self.lo).to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
