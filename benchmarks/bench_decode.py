@@ -129,6 +129,7 @@ def main():
     ap.add_argument("--tokenizer-path", default=None)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--eager", action="store_true", help="also time the eager forward of the same batch")
@@ -144,9 +145,10 @@ def main():
     mixed = [tuple(int(v) for v in m.split(":")) for m in args.mixed]
     tokens = max([max_bs * (args.context + 1)] + [d * (args.context + 1) + p for d, p in mixed]) + 64
     engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
-                            dtype=args.dtype, log_level="warning", attention_backend=args.attention_backend,
+                            dtype=args.dtype, quantization=args.quantization, log_level="warning",
+                            attention_backend=args.attention_backend,
                             disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=max_bs,
-                            max_total_tokens=tokens, max_running_requests=max(max_bs, *(d + 1 for d, _ in mixed)))
+                            max_total_tokens=tokens, max_running_requests=max([max_bs, *(d + 1 for d, _ in mixed)]))
     r = engine.runner
     tuner = r.kernel_ops.tuner
     for line in getattr(tuner, "report", []):

@@ -1,0 +1,128 @@
+"""--quantization gguf: the embedded SmolLM2's Q4_1 linears kept 4-bit (torch int4 CPU matmul) against the
+dequantized fp32 path."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import radixlm
+from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.layers.quantization.gguf_int4 import GROUP, Int4Linear, Q4Blocks, scales_and_zeros
+from radixlm.srt.model_loader.default_model import default_model_path
+from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
+from radixlm.srt.model_loader.loader import _check_quantization
+from radixlm.srt.server_args import ServerArgs
+from tests.helpers import forward_logits, make_tiny_checkpoint
+from tests.srt.test_model_correctness import PROMPT_IDS
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def fp32_engine():
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=2048)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def q_engine():
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=2048, quantization="gguf")
+    yield engine
+    engine.shutdown()
+
+
+def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def test_q4_1_packing_reproduces_gguf_dequantize():
+    ckpt = GGUFCheckpoint(default_model_path())
+    dequantized = dict(ckpt.weights(torch.float32))
+    seen = 0
+    for name, blocks in ckpt.q4_weights():
+        if not name.startswith("model.layers.0."):
+            continue
+        ref = dequantized[name]  # q_proj/k_proj: rows already unpermuted, blocks alike
+        assert torch.equal(blocks.dequantize(), ref), name
+        # the op itself, fp32 input and fp32 (scale, zero): x = I gives W.T back
+        n, k = ref.shape
+        packed = Int4Linear.from_blocks(blocks).packed
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k), packed, GROUP,
+                                                         scales_and_zeros(blocks, torch.float32))
+        assert (w_t.t() - ref).abs().max().item() <= 1e-6 * ref.abs().max().item(), name
+        seen += 1
+    assert seen == 7  # q k v o gate up down
+
+
+def test_q4_0_blocks_match_gguf_dequantize():
+    import gguf
+
+    rng = np.random.default_rng(0)
+    n, k = 32, 64
+    raw = rng.integers(0, 256, size=(n, k // GROUP, 18), dtype=np.uint8)
+    raw[..., :2] = rng.normal(0, 0.01, size=(n, k // GROUP)).astype(np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(n, -1)
+    ref = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_0).copy())
+    assert torch.equal(Q4Blocks.from_gguf(raw, "Q4_0", n, k).dequantize(), ref)
+
+
+def test_quantized_engine_keeps_weights_4bit(q_engine):
+    model = q_engine.runner.model
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear.quant, Int4Linear) and linear.weight.numel() == 0
+    assert sum(p.nbytes for p in model.parameters()) < 120e6  # fp32: 538 MB; what is left is the embedding
+
+
+def test_logits_close_to_fp32_within_bf16_error(fp32_engine, q_engine):
+    """The int4 path's error is that of its bf16 activations and scales: the dequantized fp32 weights run with
+    bf16 activations (the same math without quantization) land in the same place."""
+    ids = [fp32_engine.chat_ids([{"role": "user", "content": c}]) for c in CHATS]
+    ref = [forward_logits(fp32_engine, i) for i in ids]
+    quant = [_rel(r, forward_logits(q_engine, i)) for r, i in zip(ref, ids)]
+    ops = fp32_engine.runner.kernel_ops
+
+    def bf16_linear(x, w, b=None):
+        return F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).to(x.dtype)
+
+    model = fp32_engine.runner.model
+    model.set_kernel_ops(dataclasses.replace(ops, linear=bf16_linear,
+                                             gate_up_silu=lambda x, w, b: ops.silu_and_mul(bf16_linear(x, w, b))))
+    try:
+        bf16 = [_rel(r, forward_logits(fp32_engine, i)) for r, i in zip(ref, ids)]
+    finally:
+        model.set_kernel_ops(ops)
+    print(f"\nlogits rel. error vs fp32: int4 gguf {quant}, bf16 activations on dequantized weights {bf16}")
+    assert max(quant) < 0.03  # measured 0.018
+    assert max(quant) < 2 * max(bf16)  # measured 0.018 vs 0.017
+
+
+def test_greedy_answers_unchanged(fp32_engine, q_engine):
+    """The suite's SmolLM2 prompts: the France chat (64 tokens, as in test_model_correctness), the Paris
+    answer and completion of test_engine, and the token-id prompt of test_model_correctness."""
+    france = fp32_engine.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
+    cases = [({"input_ids": france}, {"max_new_tokens": 64, "ignore_eos": True}),
+             ({"prompt": "The capital of France is"}, {"max_new_tokens": 5, "ignore_eos": True}),
+             ({"input_ids": france}, {"max_new_tokens": 24}),
+             ({"input_ids": PROMPT_IDS}, {"max_new_tokens": 64, "ignore_eos": True})]
+    for inputs, params in cases:
+        params = {"temperature": 0, **params}
+        want = fp32_engine.generate(**inputs, sampling_params=params)
+        got = q_engine.generate(**inputs, sampling_params=params)
+        assert got["output_ids"] == want["output_ids"], inputs
+    assert "Paris" in q_engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                    {"temperature": 0, "max_new_tokens": 24})["text"]
+
+
+def test_gguf_quantization_needs_a_gguf_checkpoint_on_cpu(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "m", "llama")
+    with pytest.raises(ModelLoadError, match="needs a .gguf checkpoint"):
+        radixlm.Engine(str(d), log_level="warning", max_total_tokens=256, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ServerArgs(quantization="awq")
+    ckpt = GGUFCheckpoint(default_model_path())
+    with pytest.raises(ModelLoadError, match="only the cpu device"):
+        _check_quantization("gguf", ckpt, torch.device("cuda"), "auto")
