@@ -33,12 +33,22 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.weight, self.bias)
 
 
+class QuantizedRows(Protocol):
+    """An embedding table kept in another form than `Embedding.weight`: rows dequantized on lookup."""
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+        # Set by the loader for quantized checkpoints; `weight` is then an empty placeholder of the run dtype.
+        self.quant: QuantizedRows | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.lookup(ids, self.weight.dtype)
         return F.embedding(ids, self.weight)
 
 

@@ -20,6 +20,7 @@ from radixlm.srt.model_loader.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from radixlm.srt.layers.quantization.gguf_int4 import Q4Blocks
+    from radixlm.srt.layers.quantization.gguf_q8 import Q8Rows
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,16 @@ class GGUFCheckpoint:
             k, n = (int(v) for v in t.shape)  # GGUF lists dimensions innermost first
             blocks = Q4Blocks.from_gguf(t.data, kind, n, k)
             yield name, blocks.map_rows(lambda a: self._rows_for_rope(name, a))
+
+    def q8_embedding(self) -> "Q8Rows | None":
+        """token_embd still quantized when it is Q8_0 (it is in the embedded SmolLM2), else None."""
+        from radixlm.srt.layers.quantization.gguf_q8 import Q8Rows  # noqa: PLC0415
+
+        t = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        if t is None or t.tensor_type != self.gguf.GGMLQuantizationType.Q8_0:
+            return None
+        k, n = (int(v) for v in t.shape)
+        return Q8Rows.from_gguf(t.data, n, k)
 
     def _rows_for_rope(self, name: str, rows: np.ndarray) -> np.ndarray:
         """llama.cpp's converter interleaves the rotary halves of Q/K rows; undo it for rotate-half rope.

@@ -2,7 +2,8 @@
 
 none: every weight dequantized to the run dtype (the reference path).
 gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit and run through torch's int4 CPU matmul
-      (gguf_int4.py); the output projection runs as two bf16 GEMMs (hi + lo parts); the rest is dequantized
+      (gguf_int4.py); the output projection runs as two bf16 GEMMs (hi + lo parts); a Q8_0 embedding
+      keeps its 8-bit blocks and dequantizes the rows it looks up (gguf_q8.py); the rest is dequantized.
 """
 from __future__ import annotations
 
@@ -50,12 +51,23 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         del shards[target]
         skip.update(names.pop(target))
         prefilled.add(target)
+    table = ckpt.q8_embedding()
+    embed = model.model.embed_tokens
+    if table is not None:  # exact rows from the 8-bit blocks; never dequantize the whole table
+        embed.quant = table
+        embed.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        skip.add("model.embed_tokens.weight")
+        prefilled.add("model.embed_tokens.weight")
     # Shards of a projection whose other shards are not Q4 (mixed-type files) load dequantized.
     model.load_weights(ckpt.weights(dtype, skip=frozenset(skip)), prefilled=frozenset(prefilled))
     head = getattr(model, "lm_head", None)
-    if head is None or head.quant is None:
-        model.lm_head_quant = SplitBf16Linear.from_weight(model.lm_head_weight.detach())
-        if head is not None:  # untied: the fp32 head is no longer read
-            head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    if head is None:  # tied to the embedding
+        n, k = model.config.vocab_size, model.config.hidden_size
+        rows = table.dequantize if table is not None else (lambda s, e: embed.weight[s:e])
+        model.lm_head_quant = SplitBf16Linear.from_rows(rows, n, k)
+    elif head.quant is None:
+        w = head.weight.detach()
+        model.lm_head_quant = SplitBf16Linear.from_rows(lambda s, e: w[s:e], *w.shape)
+        head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # no longer read
     logger.info("gguf quantization: %d linears kept in int4 (%.1f MB), output projection in bf16 hi + lo",
                 len(prefilled), packed_bytes / 1e6)

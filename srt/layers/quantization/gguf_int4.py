@@ -8,6 +8,7 @@ product in bf16 and hands back the caller's dtype.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,9 +103,17 @@ class SplitBf16Linear:
     lo: torch.Tensor
 
     @classmethod
-    def from_weight(cls, w: torch.Tensor) -> "SplitBf16Linear":
-        hi = w.to(torch.bfloat16)
-        return cls(hi, (w.float() - hi.float()).to(torch.bfloat16))
+    def from_rows(cls, rows: Callable[[int, int], torch.Tensor], n: int, k: int,
+                  chunk: int = 4096) -> "SplitBf16Linear":
+        """From fp32 row ranges `rows(start, end)`, by chunks: a whole fp32 table and its temporaries would add
+        several hundred MB to the load's peak."""
+        hi = torch.empty(n, k, dtype=torch.bfloat16)
+        lo = torch.empty(n, k, dtype=torch.bfloat16)
+        for start in range(0, n, chunk):
+            w = rows(start, min(start + chunk, n)).float()
+            hi[start:start + chunk] = w
+            lo[start:start + chunk] = w - hi[start:start + chunk].float()
+        return cls(hi, lo)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
