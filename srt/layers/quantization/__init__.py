@@ -69,5 +69,7 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         w = head.weight.detach()
         model.lm_head_quant = SplitBf16Linear.from_rows(lambda s, e: w[s:e], *w.shape)
         head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # no longer read
-    logger.info("gguf quantization: %d linears kept in int4 (%.1f MB), output projection in bf16 hi + lo",
-                len(prefilled), packed_bytes / 1e6)
+    logger.info("gguf quantization: %d linears kept in int4 (%.1f MB), embedding %s, output projection in bf16 "
+                "hi + lo (%.1f MB)", len(prefilled) - (table is not None), packed_bytes / 1e6,
+                "Q8_0 rows" if table is not None else "dequantized", model.lm_head_quant.nbytes() / 1e6
+                if model.lm_head_quant is not None else 0.0)

@@ -22,46 +22,56 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 @dataclass
 class Q4Blocks:
     """One GGUF tensor's blocks split into parts: nibbles q [N, K] (uint8, 0..15) and per-block scale d and
-    offset m [N, K/32] (float32; m is zero for Q4_0, whose offset -8d is folded in by the op's q - 8)."""
+    offset m [N, K/32] (float32; for Q4_0 m = -8d). numpy arrays, not tensors: torch's small elementwise ops
+    (uint8 and/shift/cat, dtype casts) ran ~50x slower than numpy's here and dominated the load time."""
 
-    q: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
 
     @classmethod
     def from_gguf(cls, data: np.ndarray, kind: str, n: int, k: int) -> "Q4Blocks":
         nbytes = _BLOCK_BYTES[kind]
-        b = torch.from_numpy(np.asarray(data).reshape(n, k // GROUP, nbytes).copy())
-        d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+        b = np.asarray(data).reshape(n, k // GROUP, nbytes)
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
         if kind == "Q4_1":
-            m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+            m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
         else:
             m = -8 * d  # so that d * q + m is Q4_0's d * (q - 8)
         qs = b[..., nbytes - 16:]
         # byte j holds element j in its low nibble and element j + 16 in its high nibble
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
         return cls(q, d, m)
 
     def map_rows(self, fn) -> "Q4Blocks":
         """Apply a row permutation (the loader's rotary unpermute) to every part alike: blocks run along K,
         so whole rows move with their scales."""
-        return Q4Blocks(*(torch.from_numpy(np.ascontiguousarray(fn(t.numpy()))) for t in (self.q, self.d, self.m)))
+        return Q4Blocks(*(np.ascontiguousarray(fn(a)) for a in (self.q, self.d, self.m)))
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.q.float().view(n, k // GROUP, GROUP) * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)
-        return w.view(n, k)
+        w = self.q.reshape(n, k // GROUP, GROUP).astype(np.float32) * self.d[..., None] + self.m[..., None]
+        return torch.from_numpy(w.reshape(n, k))
 
     @staticmethod
     def cat(parts: list["Q4Blocks"]) -> "Q4Blocks":
         """Stack along N (fused projections: qkv, gate_up)."""
-        return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+        return Q4Blocks(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
 
 
 def scales_and_zeros(blocks: Q4Blocks, dtype: torch.dtype) -> torch.Tensor:
     """The op's [K/32, N, 2] (scale, zero) table in the activation dtype. In bf16 the fp16 scales lose 3 bits
     of mantissa: that rounding, with bf16 activations, is the whole error of the fast path (fp32 is exact)."""
-    return torch.stack([blocks.d.t(), (blocks.m + 8 * blocks.d).t()], dim=-1).to(dtype).contiguous()
+    table = np.ascontiguousarray(np.stack([blocks.d.T, (blocks.m + 8 * blocks.d).T], axis=-1))
+    if dtype == torch.bfloat16:  # numpy rounding, for load time as in Q4Blocks
+        return torch.from_numpy(_to_bf16_bits(table)).view(torch.bfloat16)
+    return torch.from_numpy(table).to(dtype)
+
+
+def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounded to nearest even (as torch's .to(bfloat16); finite inputs)."""
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 @dataclass
@@ -79,7 +89,8 @@ class Int4Linear:
         n, k = blocks.q.shape
         if n % 16 or k % GROUP:
             raise ValueError(f"int4 CPU matmul needs N % 16 == 0 and K % 32 == 0, got {n}x{k}")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
+        q32 = torch.from_numpy(blocks.q.astype(np.int32))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1)
         return cls(packed, scales_and_zeros(blocks, torch.bfloat16), n, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

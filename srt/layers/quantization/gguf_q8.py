@@ -21,10 +21,10 @@ class Q8Rows:
 
     @classmethod
     def from_gguf(cls, data: np.ndarray, n: int, k: int) -> "Q8Rows":
-        b = torch.from_numpy(np.asarray(data).reshape(n, k // GROUP, _BLOCK_BYTES).copy())
-        d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
-        q = b[..., 2:].contiguous().view(torch.int8).reshape(n, k)
-        return cls(q, d)
+        b = np.asarray(data).reshape(n, k // GROUP, _BLOCK_BYTES)
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
+        return cls(torch.from_numpy(q), torch.from_numpy(d))
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n, k = ids.numel(), self.q.shape[1]
