@@ -162,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(part, fused), shard, 3 if fused == "qkv_proj" else 2
         return name, None, 1
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefilled: frozenset[str] = frozenset()) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     prefilled: frozenset[str] = frozenset()) -> None:
         """`prefilled`: parameters the caller already filled some other way (quantized linears)."""
         params = dict(self.named_parameters())
         pending = {name: 1 for name in params if name not in prefilled}

@@ -77,7 +77,8 @@ def test_quantized_engine_keeps_weights_quantized(fp32_engine, q_engine):
     assert sum(p.nbytes for p in model.parameters()) < 1e6  # fp32: 538 MB; what is left is the norms
     # the Q8_0 embedding's rows are looked up exactly
     ids = torch.tensor([[0, 1, 504], [49151, 3575, 7]])
-    assert torch.equal(model.model.embed_tokens(ids), F.embedding(ids, fp32_engine.runner.model.model.embed_tokens.weight))
+    table = fp32_engine.runner.model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens(ids), F.embedding(ids, table))
 
 
 def test_logits_close_to_fp32_within_bf16_error(fp32_engine, q_engine):
