@@ -85,8 +85,8 @@ def run(label: str) -> dict:
            "extend": summary(steps, "extend"), "decode": summary(steps, "decode"),
            "gc": {g: {"count": len(v), "ms_sum": sum(v), "ms_max": max(v, default=0)} for g, v in gc_ms.items()},
            "steps": steps}
-    print(f"{workload} {label}: {total:.2f} s, {n_out / total:.0f} output tok/s; extend "
-          f"{ {k: v for k, v in res['extend'].items()} }; decode {res['decode']}; gc {res['gc']}", flush=True)
+    print(f"{workload} {label}: {total:.2f} s, {n_out / total:.0f} output tok/s; extend {res['extend']}; "
+          f"decode {res['decode']}; gc {res['gc']}", flush=True)
     return res
 
 

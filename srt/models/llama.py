@@ -146,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    _SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}  # checkpoint tensors per fused parameter
 
     def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
         cfg = self.config
@@ -159,18 +160,15 @@ class LlamaForCausalLM(nn.Module):
         """Where a checkpoint tensor goes: (our parameter name, shard index or None, shards of that parameter)."""
         for part, (fused, shard) in self._STACKED.items():
             if f".{part}." in name:
-                return name.replace(part, fused), shard, 3 if fused == "qkv_proj" else 2
+                return name.replace(part, fused), shard, self._SHARDS[fused]
         return name, None, 1
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      prefilled: frozenset[str] = frozenset()) -> None:
         """`prefilled`: parameters the caller already filled some other way (quantized linears)."""
         params = dict(self.named_parameters())
-        pending = {name: 1 for name in params if name not in prefilled}
-        for fused in ("qkv_proj", "gate_up_proj"):
-            for name in pending:
-                if f".{fused}." in name:
-                    pending[name] = 3 if fused == "qkv_proj" else 2
+        pending = {name: next((n for fused, n in self._SHARDS.items() if f".{fused}." in name), 1)
+                   for name in params if name not in prefilled}
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue

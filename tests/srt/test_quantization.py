@@ -21,10 +21,9 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List
 
 
 @pytest.fixture(scope="module")
-def fp32_engine():
-    engine = radixlm.Engine(log_level="warning", max_total_tokens=2048)
-    yield engine
-    engine.shutdown()
+def fp32_engine(smol_engine):
+    """The session's default-model engine (dequantized fp32): the reference every figure here is against."""
+    return smol_engine
 
 
 @pytest.fixture(scope="module")
