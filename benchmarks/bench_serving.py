@@ -47,6 +47,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # perf_counter at the start, then at each streamed chunk
     text: str = ""
 
 
@@ -109,6 +110,7 @@ async def one_request(client: httpx.AsyncClient, args, spec: RequestSpec) -> Req
         body["logit_bias"] = {str(args.eos_token_id): -100}
     res = RequestResult()
     start = last = time.perf_counter()
+    res.times.append(start)
     chunks = 0
     try:
         async with client.stream("POST", url, json=body) as r:
@@ -132,6 +134,7 @@ async def one_request(client: httpx.AsyncClient, args, spec: RequestSpec) -> Req
                     else:
                         res.itl.append(now - last)
                     last = now
+                    res.times.append(now)
                     chunks += 1
                     if spec.abort_after and chunks >= spec.abort_after:
                         res.aborted = True
@@ -217,6 +220,9 @@ def main() -> None:
     ap.add_argument("--abort-fraction", type=float, default=0.0,
                     help="share of requests whose client hangs up mid-stream (they count in no latency figure)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--save-chunk-times", action="store_true",
+                    help="keep each request's chunk arrival times (perf_counter) in the JSON, to line them up with "
+                         "a server step trace (RADIXLM_STEP_TRACE)")
     args = ap.parse_args()
     if args.eos_token_id is not None and args.eos_token_id < 0:
         args.eos_token_id = None
@@ -244,6 +250,8 @@ def main() -> None:
         "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
     }
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    if args.save_chunk_times:  # perf_counter is CLOCK_MONOTONIC: comparable with the server's step trace
+        report["chunk_times"] = [r.times for r in ok]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

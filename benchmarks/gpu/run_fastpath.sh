@@ -6,6 +6,7 @@
 #   decode   decode step times per backend (graphs + eager) beside the plain PyTorch CUDA-graph step
 #   offline  bench_offline random 256 x 512/256 and ShareGPT-like 1000
 #   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
+#   cudatests  engine, scheduler, sampler, piecewise tests on CUDA with the SmolLM2 GGUF (CUDATESTS overrides)
 #   quicktest  kernel + piecewise-graph + attention-backend tests;  serve  one server config (SERVE_* env)
 # FlashInfer compiles its kernels in the background from the start (about 280 s on a fresh machine); stages and
 # backends that need it wait for it. BUDGET (s, default 570) bounds the whole call; BACKENDS picks backends.
@@ -41,7 +42,7 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode offline serving quicktest serve itl diag profile
+# Stages run in this order: test check decode offline serving cudatests quicktest serve itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -87,6 +88,14 @@ if stage serving; then
   pack serving
   EXTRA="--enable-mixed-chunk" timeout $(left) bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/mixed 2>&1 | tail -8
   pack serving
+fi
+if stage cudatests; then  # the engine/scheduler/server tests on CUDA with the real SmolLM2 GGUF (joined beforehand)
+  fi_ready flashinfer; echo "== cudatests ($(left) s left)"
+  ls -la ~/.cache/radixlm/models/ 2>&1 | tail -2
+  timeout ${CUDATESTS_S:-300} python -m pytest -q -p no:cacheprovider --tb=short -o faulthandler_timeout=150 \
+    ${CUDATESTS:-tests/srt/test_engine.py tests/srt/test_scheduler.py tests/srt/test_sampler.py tests/srt/test_piecewise.py} \
+    -k "not clean_cache_dir" 2>&1 | grep -v "Loading\|it/s\]" | tail -60 | tee /tmp/r/test/pytest_cuda_engine.txt
+  pack test
 fi
 if stage quicktest; then  # the kernel and piecewise-graph tests only (no GGUF needed)
   echo "== quicktest ($(left) s left)"

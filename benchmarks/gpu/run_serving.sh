@@ -11,6 +11,9 @@ if [ "${FULL_VOCAB:-1}" = 1 ]; then  # every sampled id streams as visible text 
     TOK=/tmp/tok_full
 fi
 # EXTRA: more server flags (e.g. --enable-mixed-chunk, --attention-backend triton)
+# TRACE=1: the server records its steps and the client its chunk times; itl_tail.py lines them up at the end.
+CT=""
+if [ "${TRACE:-0}" = 1 ]; then export RADIXLM_STEP_TRACE=$OUT/steps.jsonl; CT=--save-chunk-times; fi
 python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
     --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" ${EXTRA:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -23,14 +26,14 @@ done
 python benchmarks/bench_serving.py --base-url $URL --label warmup --num-prompts 16 --input-len 64 \
     --output-len 8 --max-concurrency 16 --wait 5 --eos-token-id 128001 > /dev/null || { tail -30 "$OUT/server.log"; exit 1; }
 want c32 && python benchmarks/bench_serving.py --base-url $URL --label random-c32 --dataset random --num-prompts 128 \
-    --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32.json" > /dev/null
+    --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32.json" $CT > /dev/null
 want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
 want c128 && python benchmarks/bench_serving.py --base-url $URL --label random-c128 --dataset random --num-prompts 512 \
-    --input-len 512 --output-len 128 --max-concurrency 128 --eos-token-id 128001 --out "$OUT/random_c128.json" > /dev/null
+    --input-len 512 --output-len 128 --max-concurrency 128 --eos-token-id 128001 --out "$OUT/random_c128.json" $CT > /dev/null
 want prefix && python benchmarks/bench_serving.py --base-url $URL --label shared-prefix --dataset shared-prefix --groups 8 \
     --num-prompts 128 --system-len 1500 --input-len 40 --output-len 64 --max-concurrency 64 --eos-token-id 128001 \
-    --out "$OUT/shared_prefix.json" > /dev/null
+    --out "$OUT/shared_prefix.json" $CT > /dev/null
 # Clients hanging up mid-stream (a quarter of them), on both workloads: their KV must come back too.
 want aborts && python benchmarks/bench_serving.py --base-url $URL --label aborts-random --dataset random --num-prompts 128 \
     --input-len 512 --output-len 128 --max-concurrency 64 --abort-fraction 0.25 --eos-token-id 128001 \
@@ -49,6 +52,11 @@ st = s["scheduler"]
 print("kv_free", st.get("kv_free"), "of", st.get("kv_total"), "OK" if st.get("kv_free") == st.get("kv_total") else "LEAK")
 PY
 kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
+if [ -n "$CT" ]; then
+  for f in random_c32 random_c128 shared_prefix; do
+    [ -f "$OUT/$f.json" ] && python benchmarks/itl_tail.py "$OUT/steps.jsonl" "$OUT/$f.json" --out "$OUT/tail_$f.json"
+  done
+fi
 python - "$OUT" <<'PY'
 import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*_c*.json")) + [pathlib.Path(sys.argv[1]) / f for f in

@@ -29,6 +29,7 @@ from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.managers.schedule_batch import ScheduledBatch, build_decode, build_extend, sampling_info
 from radixlm.srt.managers.schedule_policy import SchedulePolicy
 from radixlm.srt.managers.schedule_prefill import schedule_extend
+from radixlm.srt.managers.step_trace import StepTrace
 from radixlm.srt.managers.scheduler_grammar import SchedulerGrammar
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardMode
@@ -91,6 +92,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self.last_step: dict = {}
+        self.step_trace = StepTrace.from_env()
         self._outputs: list[TokenOutput] = []
         self.grammar = SchedulerGrammar(args, tokenizer, runner.vocab_size, runner.config.eos_token_ids,
                                         runner.device)
@@ -139,27 +141,45 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked or self._outputs or self.inflight)
 
     def step(self) -> list[TokenOutput]:
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         if self.grammar.queue:
             self._poll_grammars()
         outputs, self._outputs = self._outputs, []
         batch = self._schedule()
+        t1 = time.perf_counter()
         if batch is not None:
             try:
                 self._launch_forward(batch)
             except BatchFailed:
                 batch = None
+        t2 = time.perf_counter()
+        ran = batch is not None or self.inflight is not None
         if self.overlap:
             if self.inflight is not None:
                 outputs += self._process(self.inflight)
                 self.inflight = None
+            t3 = time.perf_counter()
             if batch is not None and self._launch_sample(batch):
                 self.inflight = batch
         elif batch is not None and self._launch_sample(batch):
+            t3 = time.perf_counter()
             outputs += self._process(batch)
+        else:
+            t3 = time.perf_counter()
         outputs += self._outputs  # requests failed by a batch that ran out of memory
         self._outputs = []
-        self.stats.busy_seconds += time.perf_counter() - start
+        t4 = time.perf_counter()
+        self.stats.busy_seconds += t4 - t0
+        if not ran:
+            return outputs
+        # Host time by phase (ms): schedule, forward launch, then process and sample launch in the order they
+        # ran. With overlap, `process` includes waiting for the previous step's tokens from the device.
+        info = self.last_step if batch is not None else {"mode": "drain"}
+        info["phases_ms"] = {"schedule": (t1 - t0) * 1e3, "forward": (t2 - t1) * 1e3,
+                             "process" if self.overlap else "sample": (t3 - t2) * 1e3,
+                             "sample" if self.overlap else "process": (t4 - t3) * 1e3}
+        if self.step_trace is not None:
+            self.step_trace.record(t0, info, len(outputs))
         return outputs
 
     def _poll_grammars(self) -> None:
@@ -172,6 +192,8 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while requests are in flight."""
+        if self.step_trace is not None:  # a quiet moment: write the trace out (servers are killed, not exited)
+            self.step_trace.flush()
         if self.waiting or self.running or self.chunked:
             return False
         if self.inflight is not None:  # only finished requests' extra tokens are left in it

@@ -159,6 +159,7 @@ class FlashInferAttnBackend(AttentionBackend):
                     "which takes minutes; the cache is kept under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)")
         start = time.perf_counter()
         self.prebuild()
+        built = time.perf_counter()
         q = torch.zeros(1, self.h, self.d, dtype=self.dtype, device=self.device)
         kv = torch.zeros(2, 2, self.kvh, self.d, dtype=self.kv_dtype, device=self.device)
         ind = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -170,4 +171,5 @@ class FlashInferAttnBackend(AttentionBackend):
                                   sm_scale=self.d**-0.5, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self.prefill_wrapper.run(q, (kv[0], kv[1]))
         torch.cuda.synchronize(self.device)
-        logger.info("FlashInfer kernels ready in %.1f s", time.perf_counter() - start)
+        logger.info("FlashInfer kernels ready in %.1f s (prebuild %.1f s, load and first run %.1f s)",
+                    time.perf_counter() - start, built - start, time.perf_counter() - built)

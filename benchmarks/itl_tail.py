@@ -1,0 +1,114 @@
+"""Where does inter-token latency's tail come from? Lines up a client's chunk arrival times with the server's step
+trace (same machine, both on CLOCK_MONOTONIC) and classifies every slow gap.
+
+    RADIXLM_STEP_TRACE=/tmp/steps.jsonl radixlm serve ...        # the server records its steps
+    python benchmarks/bench_serving.py ... --save-chunk-times --out run.json
+    curl -X POST localhost:30000/flush_cache                     # writes out the trace's last lines
+    python benchmarks/itl_tail.py /tmp/steps.jsonl run.json [--out tail.json]
+
+A gap is slow when it exceeds twice the ITL median. Each one is put in one class:
+  long step   one server step (or its device wait) covers most of the gap: the step itself was slow;
+  skipped     the gap spans two or more server steps: the stream missed a step (an extend step without decode
+              riders, or it was not scheduled);
+  delivery    the server's steps in the gap were short and few: the token waited in the output path
+              (detokenizer, tokenizer manager, HTTP, client).
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q / 100 * len(v)))]
+
+
+def load_steps(path: Path) -> list[dict]:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps.sort(key=lambda s: s["t"])
+    for s in steps:
+        s["ms"] = sum(s.get("phases_ms", {}).values())
+    return steps
+
+
+def step_summary(steps: list[dict]) -> dict:
+    out = {}
+    for mode in sorted({s.get("mode", "?") for s in steps}):
+        sel = [s for s in steps if s.get("mode") == mode]
+        phases = {p: [s["phases_ms"].get(p, 0.0) for s in sel] for p in sel[0].get("phases_ms", {})}
+        out[mode] = {"steps": len(sel), "ms_p50": pct([s["ms"] for s in sel], 50),
+                     "ms_p99": pct([s["ms"] for s in sel], 99),
+                     "phase_p50": {p: round(pct(v, 50), 3) for p, v in phases.items()},
+                     "phase_p99": {p: round(pct(v, 99), 3) for p, v in phases.items()}}
+    starts = [s["t"] for s in steps]
+    gaps = [(b - a) * 1e3 - s["ms"] for a, b, s in zip(starts, starts[1:], steps)]  # loop time between steps
+    out["between_steps_ms"] = {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps, default=0.0)}
+    return out
+
+
+def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
+    gaps = [(a, b) for times in chunk_times for a, b in zip(times[1:], times[2:])]  # times[0] is the send
+    itl = [(b - a) * 1e3 for a, b in gaps]
+    p50 = statistics.median(itl)
+    starts = [s["t"] for s in steps]
+    classes: Counter = Counter()
+    slow_modes: Counter = Counter()
+    long_steps: list[dict] = []
+    for (a, b), ms in zip(gaps, itl):
+        if ms <= 2 * p50:
+            continue
+        lo = max(0, bisect.bisect_left(starts, a) - 1)
+        hi = bisect.bisect_right(starts, b)
+        window = [s for s in steps[lo:hi] if s["t"] + s["ms"] / 1e3 > a and s["t"] < b]
+        longest = max(window, key=lambda s: s["ms"], default=None)
+        if longest is not None and longest["ms"] >= 0.6 * ms:
+            classes["long step"] += 1
+            slow_modes[longest.get("mode", "?")] += 1
+            long_steps.append({k: longest.get(k) for k in ("mode", "batch_size", "tokens", "decode_riders", "ms",
+                                                          "phases_ms")})
+        elif len(window) >= 2:
+            classes["skipped"] += 1
+            slow_modes["+".join(s.get("mode", "?") for s in window[:4])] += 1
+        else:
+            classes["delivery"] += 1
+    long_steps.sort(key=lambda s: -s["ms"])
+    return {"itl_ms": {"p50": p50, "p90": pct(itl, 90), "p99": pct(itl, 99), "n": len(itl)},
+            "slow_gaps": sum(classes.values()), "classes": dict(classes), "slow_step_modes": dict(slow_modes.most_common(8)),
+            "slowest_steps": long_steps[:10]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("client", type=Path, help="bench_serving JSON written with --save-chunk-times")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    report = json.loads(args.client.read_text())
+    times = report.get("chunk_times") or []
+    if not times:
+        raise SystemExit(f"{args.client}: no chunk_times (run bench_serving with --save-chunk-times)")
+    t0, t1 = min(t[0] for t in times), max(t[-1] for t in times)
+    steps = [s for s in load_steps(args.trace) if t0 <= s["t"] <= t1]  # the client's run only
+    if not steps:
+        raise SystemExit("no server steps inside the client's run: are both on one machine and one trace file?")
+    res = {"label": report.get("label"), "steps": step_summary(steps), **classify(steps, times)}
+    print(f"{res['label']}: ITL p50 {res['itl_ms']['p50']:.1f} ms, p99 {res['itl_ms']['p99']:.1f} ms; "
+          f"{res['slow_gaps']} gaps > 2x p50 of {res['itl_ms']['n']}: {res['classes']}")
+    print("  slow gaps by server step kind:", res["slow_step_modes"])
+    for mode, st in res["steps"].items():
+        print(f"  {mode:>16}: {st}")
+    for s in res["slowest_steps"][:5]:
+        print("  slow step:", s)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
