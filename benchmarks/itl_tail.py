@@ -33,8 +33,16 @@ def pct(values: list[float], q: float) -> float:
 def load_steps(path: Path) -> list[dict]:
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps.sort(key=lambda s: s["t"])
+    prev = None
     for s in steps:
         s["ms"] = sum(s.get("phases_ms", {}).values())
+        # what moved during this step: collector passes, device mallocs/frees, allocator retries
+        s["events"] = [] if prev is None else (
+            (["gc"] if s.get("gc", 0) != prev.get("gc", 0) else []) +
+            [k for k, a, b in zip(("malloc", "free", "retry"), s.get("cuda_alloc", [0] * 3),
+                                  prev.get("cuda_alloc", [0] * 3)) if a != b])
+        s["after"] = None if prev is None else f"{prev.get('mode')}:{prev.get('tokens')}"
+        prev = s
     return steps
 
 
@@ -50,6 +58,10 @@ def step_summary(steps: list[dict]) -> dict:
     starts = [s["t"] for s in steps]
     gaps = [(b - a) * 1e3 - s["ms"] for a, b, s in zip(starts, starts[1:], steps)]  # loop time between steps
     out["between_steps_ms"] = {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps, default=0.0)}
+    slow = [s for s in steps if s["ms"] > 2 * pct([x["ms"] for x in steps], 50)]
+    out["slow_steps_with_events"] = {e: sum(e in s.get("events", []) for s in slow) for e in ("gc", "malloc", "free",
+                                                                                             "retry")}
+    out["slow_steps"] = len(slow)
     return out
 
 
@@ -72,7 +84,7 @@ def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
             classes["long step"] += 1
             slow_modes[longest.get("mode", "?")] += 1
             long_steps.append({k: longest.get(k) for k in ("mode", "batch_size", "tokens", "decode_riders", "ms",
-                                                          "phases_ms")})
+                                                          "phases_ms", "events", "after")})
         elif len(window) >= 2:
             classes["skipped"] += 1
             slow_modes["+".join(s.get("mode", "?") for s in window[:4])] += 1

@@ -59,7 +59,7 @@ if [ -n "$CT" ]; then
 fi
 python - "$OUT" <<'PY'
 import json, sys, pathlib
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*_c*.json")) + [pathlib.Path(sys.argv[1]) / f for f in
+for f in sorted(pathlib.Path(sys.argv[1]).glob("random_c*.json")) + [pathlib.Path(sys.argv[1]) / f for f in
         ("shared_prefix.json", "aborts_random.json", "aborts_prefix.json")]:
     if f.exists():
         d = json.loads(f.read_text())

@@ -2,15 +2,19 @@
 
 Set RADIXLM_STEP_TRACE=path (a file, or a directory to get one file per scheduler process) and the scheduler
 appends one JSON line per step: start time, kind, batch size, tokens, decode riders, outputs and its host
-phases. Lines are buffered and written every few hundred steps and at exit, so tracing costs the step loop
+phases, the cyclic collector's pass count and, on CUDA, the caching allocator's device malloc / free / retry
+counts (cumulative: a step whose counts moved paid for a device sync). Lines are buffered and written every few hundred steps and at exit, so tracing costs the step loop
 no file I/O in between.
 """
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 from pathlib import Path
+
+import torch
 
 
 class StepTrace:
@@ -32,7 +36,13 @@ class StepTrace:
         return cls(path)
 
     def record(self, t0: float, info: dict, n_outputs: int) -> None:
-        self.lines.append(json.dumps({"t": round(t0, 6), "outputs": n_outputs, **info}))
+        rec = {"t": round(t0, 6), "outputs": n_outputs, **info,
+               "gc": sum(g["collections"] for g in gc.get_stats())}
+        if torch.cuda.is_initialized():  # device mallocs/frees and allocator retries synchronize the host
+            m = torch.cuda.memory_stats()
+            rec["cuda_alloc"] = [m.get("num_device_alloc", 0), m.get("num_device_free", 0),
+                                 m.get("num_alloc_retries", 0)]
+        self.lines.append(json.dumps(rec))
         if len(self.lines) >= self.FLUSH_EVERY:
             self.flush()
 

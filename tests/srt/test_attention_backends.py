@@ -60,3 +60,7 @@ def test_backend_resolution():
         resolve_backend("flashinfer", "cpu")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("magic", "cpu")
+    # FlashInfer has no kernels for a 16-wide head (the tiny test checkpoints): auto picks Triton on CUDA.
+    assert resolve_backend("auto", "cuda", head_dim=16) == "triton"
+    with pytest.raises(ValueError, match="head sizes"):
+        resolve_backend("flashinfer", "cuda", head_dim=16)

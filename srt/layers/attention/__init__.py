@@ -14,16 +14,25 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend(name: str, device_type: str) -> str:
-    """`auto`: FlashInfer when importable on CUDA, else Triton on CUDA, else torch-native."""
+# Head sizes FlashInfer's prefill/decode kernels are built for; others fail inside the kernel dispatch.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def resolve_backend(name: str, device_type: str, head_dim: int | None = None) -> str:
+    """`auto`: FlashInfer when importable on CUDA (and the model's head size is one it has kernels for), else
+    Triton on CUDA, else torch-native."""
+    fi_heads = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
     if name == "auto":
-        if device_type == "cuda" and _importable("flashinfer"):
+        if device_type == "cuda" and fi_heads and _importable("flashinfer"):
             return "flashinfer"
         if device_type == "cuda" and _importable("triton"):
             return "triton"
         return "torch_native"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {('auto', *BACKENDS)}, got {name!r}")
+    if name == "flashinfer" and not fi_heads:
+        raise ValueError(f"attention_backend flashinfer has kernels for head sizes {FLASHINFER_HEAD_DIMS}; this "
+                         f"model's is {head_dim}: use --attention-backend triton")
     if name == "flashinfer" and (device_type != "cuda" or not _importable("flashinfer")):
         raise ValueError("attention_backend flashinfer needs a CUDA device and the flashinfer package "
                          "(pip install 'radixlm[gpu]')")
