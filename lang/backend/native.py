@@ -130,7 +130,12 @@ class RuntimeEndpoint(NativeBackend):
 
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        # One client is shared by every thread of run_batch and fork, each with one request in flight at a time,
+        # so the pool is not capped: httpx's default (100 connections, 20 kept alive) would queue requests past
+        # 100 threads and close and reopen a connection for most calls past 20 (a 64-thread run_batch opened
+        # ~220 connections for 256 calls). Idle connections still expire after keepalive_expiry.
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         self.model_info = self._get("/get_model_info")
 
     def _get(self, path: str) -> dict:
