@@ -10,6 +10,13 @@ tree-of-thought 3 x 3, JSON extraction, a ReAct trace, RAG over a shared documen
     python benchmarks/programs/bench_programs.py --url http://127.0.0.1:30000   # a server you started
 
 Each workload reports programs/s and the server's cache hit rate over the run (cached / prompt tokens).
+Before timing, every selected workload runs once untimed on a few programs (both clients), so the first
+workload does not pay the server's or the clients' start-up costs (first connections, lazy compilation, the
+JSON schema's grammar). With `--repeats N` each measurement runs N times, the cache flushed before each run,
+the DSL and plain-client runs of a workload alternating on the cache-on server (DSL first on even repeats,
+plain first on odd ones); each result then reports the median of each measure and keeps every run under
+"runs" (its other keys are those a single run had, so readers of earlier results read these too).
+client_overhead.py splits the DSL's and the plain client's per-call time into client and server parts.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -130,54 +138,117 @@ def server_stats(url: str) -> dict:
     return httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
 
 
+def _counts(url: str, before: dict, n: int, secs: float) -> dict:
+    after = server_stats(url)
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    return {"programs": n, "seconds": secs, "programs_per_s": n / secs, "prompt_tokens": prompt,
+            "cached_tokens": cached, "cache_hit_rate": cached / prompt if prompt else 0.0}
+
+
 def run_dsl(backend, url: str, prog, args: list[dict], threads: int) -> dict:
     httpx.post(f"{url}/flush_cache", timeout=60)
     before = server_stats(url)
     t = time.perf_counter()
     states = prog.run_batch(args, backend=backend, num_threads=threads, temperature=0)
     secs = time.perf_counter() - t
-    after = server_stats(url)
     errors = [repr(s.error)[:200] for s in states if s.error is not None]
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    cached = after["cached_tokens"] - before["cached_tokens"]
-    return {"programs": len(args), "seconds": secs, "programs_per_s": len(args) / secs, "errors": errors[:3],
-            "failed": len(errors), "prompt_tokens": prompt, "cached_tokens": cached,
-            "cache_hit_rate": cached / prompt if prompt else 0.0}
+    out = _counts(url, before, len(args), secs) | {"errors": errors[:3], "failed": len(errors)}
+    if prog is json_extract:  # the constrained output must parse and match the schema (48 tokens may cut it)
+        out["invalid_json"] = sum(1 for s in states if s.error is None and not _valid_person(s["json"]))
+    return out
 
 
-def run_openai_plain(url: str, name: str, args: list[dict], threads: int) -> dict | None:
+def _valid_person(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), PERSON)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+PLAIN_WORKLOADS = ("multi_turn_chat", "rag_shared_document")
+
+
+class PlainClient:
+    """The official OpenAI client against our /v1, one per server (a pool kept across runs, as the DSL's)."""
+
+    def __init__(self, url: str):
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        self.model = self.client.models.list().data[0].id
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_openai_plain(plain: PlainClient, url: str, name: str, args: list[dict], threads: int) -> dict | None:
     """The chat workloads as plain client calls: each turn resends the whole conversation."""
-    if name not in ("multi_turn_chat", "rag_shared_document"):
+    if name not in PLAIN_WORKLOADS:
         return None
-    import openai
     from concurrent.futures import ThreadPoolExecutor
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-    model = client.models.list().data[0].id
+    client, model = plain.client, plain.model
 
     def one(a):
-        if name == "rag_shared_document":
-            msgs = [{"role": "system", "content": "Answer from the document.\n" + a["document"]},
-                    {"role": "user", "content": a["question"]}]
-            client.chat.completions.create(model=model, messages=msgs, max_tokens=a["max_tokens"], temperature=0)
-            return
-        msgs = [{"role": "system", "content": a["system"]}]
-        for q in a["questions"]:
-            msgs.append({"role": "user", "content": q})
-            r = client.chat.completions.create(model=model, messages=msgs, max_tokens=a["max_tokens"], temperature=0)
-            msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+        try:
+            if name == "rag_shared_document":
+                msgs = [{"role": "system", "content": "Answer from the document.\n" + a["document"]},
+                        {"role": "user", "content": a["question"]}]
+                client.chat.completions.create(model=model, messages=msgs, max_tokens=a["max_tokens"], temperature=0)
+                return None
+            msgs = [{"role": "system", "content": a["system"]}]
+            for q in a["questions"]:
+                msgs.append({"role": "user", "content": q})
+                r = client.chat.completions.create(model=model, messages=msgs, max_tokens=a["max_tokens"],
+                                                   temperature=0)
+                msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+        except Exception as e:  # noqa: BLE001 - reported like the DSL's failed programs
+            return repr(e)[:200]
+        return None
 
     httpx.post(f"{url}/flush_cache", timeout=60)
     before = server_stats(url)
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, args))
+        errors = [e for e in pool.map(one, args) if e is not None]
     secs = time.perf_counter() - t
-    after = server_stats(url)
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    cached = after["cached_tokens"] - before["cached_tokens"]
-    return {"programs": len(args), "seconds": secs, "programs_per_s": len(args) / secs,
-            "cache_hit_rate": cached / prompt if prompt else 0.0}
+    return _counts(url, before, len(args), secs) | {"errors": errors[:3], "failed": len(errors)}
+
+
+def warm_up(backend, plain: PlainClient | None, url: str, wl: dict, names: list[str], threads: int) -> None:
+    """One small untimed run of every workload (and of its plain-client form)."""
+    for n in names:
+        prog, a = wl[n]
+        few = a[:4]
+        run_dsl(backend, url, prog, few, threads)
+        if plain is not None:
+            run_openai_plain(plain, url, n, few, threads)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The median of each measure over the runs, every run kept under "runs"."""
+    out = dict(runs[0])
+    for k in ("seconds", "programs_per_s", "cache_hit_rate"):
+        out[k] = statistics.median(r[k] for r in runs)
+    for k in ("prompt_tokens", "cached_tokens", "invalid_json"):
+        if k in out:
+            out[k] = statistics.median_low(r[k] for r in runs)
+    out["errors"] = [e for r in runs for e in r["errors"]][:3]
+    out["failed"] = max(r["failed"] for r in runs)
+    out["repeats"] = len(runs)
+    out["runs"] = runs
+    return out
+
+
+def _line(name: str, label: str, r: dict) -> str:
+    runs = "" if r["repeats"] == 1 else " runs " + " ".join(f"{x['programs_per_s']:.2f}" for x in r["runs"])
+    return (f"{name:>20} {label:>12}: {r['programs']:3d} programs {r['seconds']:7.2f} s {r['programs_per_s']:6.2f}/s "
+            f"cache hit {r['cache_hit_rate']:.2f} failed {r['failed']}"
+            + (f" invalid json {r['invalid_json']}" if "invalid_json" in r else "") + runs)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -205,9 +276,12 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="a running server (radix on); default: launch ours twice")
     ap.add_argument("--scale", type=int, default=4, help="programs per workload are multiples of this")
     ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs per measurement (median reported, all kept); DSL and plain alternate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", nargs="+", default=None)
-    ap.add_argument("--server-args", default="", help="key=value server arguments for the launched servers, e.g. 'device=cuda'")
+    ap.add_argument("--server-args", default="",
+                    help="key=value server arguments for the launched servers, e.g. 'device=cuda'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -220,20 +294,33 @@ def main() -> None:
             break
         rt = sgl.RuntimeEndpoint(args.url) if args.url else sgl.Runtime(**flags, **extra)
         url = args.url or rt.url
+        plain = None
         try:
+            if label == "radix_on" and any(n in PLAIN_WORKLOADS for n in names):
+                plain = PlainClient(url)
+            warm_up(rt, plain, url, wl, names, args.threads)
             for n in names:
                 prog, a = wl[n]
-                rows[n][label] = run_dsl(rt, url, prog, a, args.threads)
+                dsl_runs, plain_runs = [], []
+                for rep in range(args.repeats):
+                    order = ("dsl", "plain") if rep % 2 == 0 else ("plain", "dsl")
+                    for which in order:
+                        if which == "dsl":
+                            dsl_runs.append(run_dsl(rt, url, prog, a, args.threads))
+                        elif plain is not None and n in PLAIN_WORKLOADS:
+                            plain_runs.append(run_openai_plain(plain, url, n, a, args.threads))
+                rows[n][label] = summarize(dsl_runs)
+                print(_line(n, label, rows[n][label]), flush=True)
                 if label == "radix_on":
-                    rows[n]["openai_plain"] = run_openai_plain(url, n, a, args.threads)
-                r = rows[n][label]
-                print(f"{n:>20} {label:>9}: {r['programs']:3d} programs {r['seconds']:7.2f} s "
-                      f"{r['programs_per_s']:6.2f}/s cache hit {r['cache_hit_rate']:.2f} failed {r['failed']}",
-                      flush=True)
+                    rows[n]["openai_plain"] = summarize(plain_runs) if plain_runs else None
+                    if plain_runs:
+                        print(_line(n, "openai_plain", rows[n]["openai_plain"]), flush=True)
         finally:
+            if plain is not None:
+                plain.close()
             rt.shutdown()
     out = list(rows.values())
-    print(f"\n| workload | cache on prog/s | hit rate | cache off prog/s | on/off | plain OpenAI prog/s |")
+    print("\n| workload | cache on prog/s | hit rate | cache off prog/s | on/off | plain OpenAI prog/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in out:
         on, off, plain = r.get("radix_on"), r.get("radix_off"), r.get("openai_plain")
