@@ -42,7 +42,7 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode offline serving cudatests ficache smolcheck quicktest serve itl diag profile
+# Stages run in this order: test check decode offline serving cudatests ficache smolcheck fibisect programs quicktest serve itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -100,7 +100,7 @@ if stage cudatests; then  # the engine/scheduler/server tests on CUDA with the r
 fi
 if stage ficache; then  # is FlashInfer's JIT cache reused by a second process? ninja says why it rebuilds
   fi_ready flashinfer; echo "== ficache ($(left) s left)"
-  for f in $(find .fi-cache -name build.ninja | head -4); do
+  for f in $(find $PWD/.fi-cache -name build.ninja | head -3); do
     echo "-- $f"; ninja -C "$(dirname $f)" -f "$f" -n -d explain 2>&1 | head -12
   done
   find .fi-cache -name "*.so" -newer "$DEST/fi_build.log" | head -5
@@ -121,6 +121,20 @@ if stage smolcheck; then  # SmolLM2 (head 64, GQA group 3) on CUDA per backend a
   timeout $(left) python benchmarks/gpu/smol_cuda_check.py --out /tmp/r/test/smol_cuda_check.json 2>&1 \
     | grep -v "Loading\|it/s\]\|warn"
   pack test
+fi
+if stage fibisect; then  # which SmolLM2 prompts FlashInfer gets wrong (vs Triton), graphs and prefill backends
+  fi_ready flashinfer; echo "== fibisect ($(left) s left)"
+  timeout $(left) python benchmarks/gpu/fi_bisect.py --out /tmp/r/test/fi_bisect.json 2>&1 | grep -v "Loading\|it/s\]"
+  pack test
+fi
+if stage programs; then  # issue 10's program workloads on the 8B shape, radix on/off and plain client, PROG_REPEATS
+  fi_ready flashinfer; echo "== programs ($(left) s left)"; mkdir -p /tmp/r/programs
+  [ -d /tmp/tok_full ] || python benchmarks/gpu/full_vocab_tokenizer.py $TOK /tmp/tok_full 128256 > /dev/null
+  timeout $(left) python benchmarks/programs/bench_programs.py --scale ${PROG_SCALE:-32} --threads 64 \
+    --repeats ${PROG_REPEATS:-3} --server-args "model_path=$CFG load_format=dummy tokenizer_path=/tmp/tok_full \
+    grammar_backend=xgrammar" --out /tmp/r/programs/programs.json --plot /tmp/r/programs/programs.png 2>&1 \
+    | grep -v -i "warn\|Loading" | tail -30
+  tar czf "$DEST/programs.tgz" -C /tmp/r programs 2> /dev/null
 fi
 if stage quicktest; then  # the kernel and piecewise-graph tests only (no GGUF needed)
   echo "== quicktest ($(left) s left)"

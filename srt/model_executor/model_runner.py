@@ -69,7 +69,8 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads,
                                               self.config.head_dim, self.dtype, self.device)
-        self.attn_backend_name = resolve_backend(args.attention_backend, self.device.type, self.config.head_dim)
+        self.attn_backend_name = resolve_backend(args.attention_backend, self.device.type, self.config.head_dim,
+                                                 self.dtype)
         self.attn_backend = create_backend(self.attn_backend_name, self)
         self.kernel_ops = select_kernel_ops("auto", self.device)
         self.model.set_kernel_ops(self.kernel_ops)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from radixlm.srt.layers.attention.base import AttentionBackend
 
@@ -18,18 +20,22 @@ def _importable(module: str) -> bool:
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def resolve_backend(name: str, device_type: str, head_dim: int | None = None) -> str:
-    """`auto`: FlashInfer when importable on CUDA (and the model's head size is one it has kernels for), else
+def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dtype=None) -> str:
+    """`auto`: FlashInfer when importable on CUDA (and it has kernels for the model's head size and dtype), else
     Triton on CUDA, else torch-native."""
     fi_heads = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    fi_dtype = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        if device_type == "cuda" and fi_heads and _importable("flashinfer"):
+        if device_type == "cuda" and fi_heads and fi_dtype and _importable("flashinfer"):
             return "flashinfer"
         if device_type == "cuda" and _importable("triton"):
             return "triton"
         return "torch_native"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {('auto', *BACKENDS)}, got {name!r}")
+    if name == "flashinfer" and not fi_dtype:
+        raise ValueError(f"attention_backend flashinfer runs float16 and bfloat16, not {dtype}: use --dtype bfloat16 "
+                         "or --attention-backend triton")
     if name == "flashinfer" and not fi_heads:
         raise ValueError(f"attention_backend flashinfer has kernels for head sizes {FLASHINFER_HEAD_DIMS}; this "
                          f"model's is {head_dim}: use --attention-backend triton")
