@@ -24,7 +24,10 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 def run(engine) -> dict:
     outs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
     chat = engine.chat(CHAT, GREEDY)["text"]
-    return {"outputs": outs, "chat": chat}
+    first = engine.generate(input_ids=engine.chat_ids(CHAT), sampling_params={"temperature": 0, "max_new_tokens": 1},
+                            return_logprob=True, top_logprobs_num=5)["meta_info"]
+    top = first.get("output_top_logprobs") or [[]]
+    return {"outputs": outs, "chat": chat, "chat_top5": [(round(float(lp), 4), int(t)) for lp, t, *_ in top[0]]}
 
 
 def main() -> None:
@@ -36,7 +39,7 @@ def main() -> None:
     ref_engine = radixlm.Engine(device="cpu", log_level="warning", max_total_tokens=4096)
     ref = run(ref_engine)
     ref_engine.shutdown()
-    print(f"cpu fp32: chat {ref['chat']!r}", flush=True)
+    print(f"cpu fp32: chat {ref['chat']!r}, first-token top-5 logprobs {ref['chat_top5']}", flush=True)
     rows = []
     for dtype in args.dtypes:
         for backend in args.backends:
@@ -53,12 +56,14 @@ def main() -> None:
             first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                      for a, b in zip(got["outputs"], ref["outputs"])]
             row = {"dtype": dtype, "backend": backend, "identical_to_cpu": f"{same}/{len(PROMPTS)}",
-                   "first_divergence": first, "chat": got["chat"], "paris": "Paris" in got["chat"]}
+                   "first_divergence": first, "chat": got["chat"], "paris": "Paris" in got["chat"],
+                   "chat_top5": got["chat_top5"]}
             rows.append(row)
             print(row, flush=True)
             torch.cuda.empty_cache()
     if args.out:
-        Path(args.out).write_text(json.dumps({"reference_chat": ref["chat"], "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"reference_chat": ref["chat"], "reference_top5": ref["chat_top5"],
+                                              "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

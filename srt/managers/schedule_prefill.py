@@ -49,6 +49,9 @@ def schedule_extend(s: Scheduler) -> list[Req]:
     if budget <= 0 or not s.waiting:
         return batch
     is_radix = isinstance(s.tree_cache, RadixCache)
+    # With overlap, the extend launched last step publishes its prompts to the tree only after this schedule:
+    # a request sharing a prompt with it waits one step rather than compute the shared part again.
+    inflight = s.inflight.reqs if s.inflight is not None and not s.inflight.mode.is_decode else []
     for r in s.policy.order(s.waiting):
         if len(s.running) + len(batch) >= s.max_running or s.req_pool.available_size() == 0:
             break
@@ -57,7 +60,7 @@ def schedule_extend(s: Scheduler) -> list[Req]:
             limit = min(limit, max(r.logprob_start_len - 1, 0))
         s.tree_cache.match_req(r, limit)
         prefix = len(r.prefix_slots)
-        if is_radix and _shares_with_batch(r, prefix, batch):
+        if is_radix and (_shares_with_batch(r, prefix, batch) or _shares_with_batch(r, prefix, inflight)):
             s.unlock(r)  # its prefix will be cached once the batch runs; take it next step
             continue
         extend = len(r.fill_ids) - prefix

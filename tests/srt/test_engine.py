@@ -223,15 +223,15 @@ def test_bad_prompts(smol_engine):
 def test_device_out_of_memory_fails_its_batch_only(smol_engine, monkeypatch):
     import torch
     reference = smol_engine.generate(PROMPTS[:3], GREEDY)
-    real, calls = smol_engine.runner.forward, []
+    real, calls = smol_engine.runner.run_forward, []  # graph replay or eager forward: every device step
 
-    def forward_that_runs_out_at_the_third_call(fb):
-        calls.append(fb.mode)
+    def forward_that_runs_out_at_the_third_call(spec):
+        calls.append(spec.mode)
         if len(calls) == 3:
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        return real(fb)
+        return real(spec)
 
-    monkeypatch.setattr(smol_engine.runner, "forward", forward_that_runs_out_at_the_third_call)
+    monkeypatch.setattr(smol_engine.runner, "run_forward", forward_that_runs_out_at_the_third_call)
     smol_engine.flush_cache()
     failed = smol_engine.generate(PROMPTS[:2], GREEDY)
     for out in failed:

@@ -1,4 +1,5 @@
 """The scheduler under pressure: sharing, chunking, eviction, retraction, aborts; nothing may leak."""
+import os
 import random
 
 import pytest
@@ -22,17 +23,19 @@ MODES = {"plain": {}, "overlap": {"force_overlap_schedule": True},
 
 
 def _engine(path, mode="plain", **kw):
+    kw.setdefault("dtype", os.environ.get("RADIXLM_TEST_DTYPE", "auto"))
     return radixlm.Engine(str(path), log_level="warning", **MODES[mode], **kw)
 
 
-def test_shared_prefix_computes_a_fraction(tiny_dir):
+@pytest.mark.parametrize("mode", ["plain", "overlap"])
+def test_shared_prefix_computes_a_fraction(tiny_dir, mode):
     rng = random.Random(0)
     prefix = [rng.randrange(3, 512) for _ in range(1000)]
     prompts = [prefix + [rng.randrange(3, 512) for _ in range(20)] for _ in range(32)]
     sp = {**GREEDY, "max_new_tokens": 8, "ignore_eos": True}
     results = {}
     for disable in (False, True):
-        engine = _engine(tiny_dir, disable_radix_cache=disable, max_total_tokens=40000)
+        engine = _engine(tiny_dir, mode, disable_radix_cache=disable, max_total_tokens=40000)
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
         results[disable] = ([o["output_ids"] for o in outs], engine.get_stats(), outs)
         assert_engine_idle(engine)

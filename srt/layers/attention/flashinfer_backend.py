@@ -7,7 +7,9 @@ pool already, and FlashInfer aligns the causal mask to the end of each request's
 
 FlashInfer compiles its kernels on first use (minutes for the sm90 prefill kernel on a fresh machine);
 `warmup()` does that at start-up and logs it. Its cache lives under $FLASHINFER_WORKSPACE_BASE (default $HOME)
-in .cache/flashinfer, so a second start is quick.
+in .cache/flashinfer, so a second start is quick. Each module is built by its own ninja file when first used:
+building them all at once through FlashInfer's combined ninja file (build_jit_specs) made every later start
+rebuild them (each ninja log saw the other's outputs as stale: 55 s per process on the H100).
 """
 from __future__ import annotations
 
@@ -138,28 +140,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_decode(self.graph_wrappers[bs], fb)
 
     # --- start-up ------------------------------------------------------------------------------------------------
-    def prebuild(self) -> None:
-        """Compile the FA2 (decode with tensor cores) and FA3 (Hopper prefill) modules in one parallel ninja
-        run; the warm-up below then only loads them. Best effort: anything missed compiles on first use."""
-        try:
-            from flashinfer.jit import build_jit_specs, gen_batch_prefill_module
-            from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
-
-            args = (self.dtype, self.kv_dtype, self.dtype, torch.int32, self.d, self.d, 0, False, False, False)
-            specs = [_gen_batch_prefill_primary_module("fa2", *args)]
-            if self.prefill_backend != "fa2" and torch.cuda.get_device_capability(self.device)[0] == 9:
-                specs.append(gen_batch_prefill_module("fa3", *args))
-            build_jit_specs(specs)
-        except Exception as e:  # an API change must not stop the server: the warm-up compiles instead
-            logger.warning("FlashInfer parallel prebuild skipped (%s: %s)", type(e).__name__, e)
-
     def warmup(self) -> None:
         """Compile (or load from the cache) the kernels this backend runs, logging how long it took."""
         logger.info("FlashInfer: building/loading attention kernels (first start on a machine compiles them, "
                     "which takes minutes; the cache is kept under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)")
         start = time.perf_counter()
-        self.prebuild()
-        built = time.perf_counter()
         q = torch.zeros(1, self.h, self.d, dtype=self.dtype, device=self.device)
         kv = torch.zeros(2, 2, self.kvh, self.d, dtype=self.kv_dtype, device=self.device)
         ind = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -171,5 +156,4 @@ class FlashInferAttnBackend(AttentionBackend):
                                   sm_scale=self.d**-0.5, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self.prefill_wrapper.run(q, (kv[0], kv[1]))
         torch.cuda.synchronize(self.device)
-        logger.info("FlashInfer kernels ready in %.1f s (prebuild %.1f s, load and first run %.1f s)",
-                    time.perf_counter() - start, built - start, time.perf_counter() - built)
+        logger.info("FlashInfer kernels ready in %.1f s", time.perf_counter() - start)
