@@ -237,7 +237,9 @@ def test_device_out_of_memory_fails_its_batch_only(smol_engine, monkeypatch):
     for out in failed:
         reason = out["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and reason["status_code"] == 503 and "memory" in reason["message"]
-        assert len(out["output_ids"]) == 2  # one token from the extend, one from the decode that succeeded
+        # one token from the extend and one from the decode that succeeded; with overlap scheduling (on by default
+        # on CUDA) that decode's token is still in flight when the failure aborts the requests, so it is dropped
+        assert len(out["output_ids"]) == (1 if smol_engine.scheduler.overlap else 2)
     _idle_and_clean(smol_engine)
     again = smol_engine.generate(PROMPTS[:3], GREEDY)
     assert [o["output_ids"] for o in again] == [r["output_ids"] for r in reference]
