@@ -42,7 +42,7 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode offline serving cudatests ficache smolcheck fibisect programs quicktest serve itl diag profile
+# Stages run in this order: test check decode offline serving cudatests smolcheck fibisect programs quicktest serve itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -97,24 +97,6 @@ if stage cudatests; then  # the engine/scheduler/server tests on CUDA with the r
     -k "not clean_cache_dir" 2>&1 | grep -v "Loading\|it/s\]" > /tmp/r/test/pytest_cuda_engine.txt
   tail -30 /tmp/r/test/pytest_cuda_engine.txt
   pack test
-fi
-if stage ficache; then  # is FlashInfer's JIT cache reused by a second process? ninja says why it rebuilds
-  fi_ready flashinfer; echo "== ficache ($(left) s left)"
-  for f in $(find $PWD/.fi-cache -name build.ninja | head -3); do
-    echo "-- $f"; ninja -C "$(dirname $f)" -f "$f" -n -d explain 2>&1 | head -12
-  done
-  find .fi-cache -name "*.so" -newer "$DEST/fi_build.log" | head -5
-  python - 2>&1 <<'PY' | grep -v -i warn | tail -5
-import logging, time, torch
-logging.basicConfig(level=logging.INFO)
-from radixlm.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
-t = time.time()
-b = FlashInferAttnBackend(32, 8, 128, torch.bfloat16, torch.bfloat16, torch.zeros(2, 8, dtype=torch.int32, device="cuda"),
-                          1024, 8, torch.device("cuda"))
-b.warmup()
-print(f"second process: flashinfer warmup {time.time() - t:.1f} s")
-PY
-  find .fi-cache -name "*.so" -newer "$DEST/fi_build.log" | head -5
 fi
 if stage smolcheck; then  # SmolLM2 (head 64, GQA group 3) on CUDA per backend and dtype vs the CPU engine
   fi_ready flashinfer; echo "== smolcheck ($(left) s left)"
