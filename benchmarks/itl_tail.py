@@ -58,7 +58,8 @@ def step_summary(steps: list[dict]) -> dict:
     starts = [s["t"] for s in steps]
     gaps = [(b - a) * 1e3 - s["ms"] for a, b, s in zip(starts, starts[1:], steps)]  # loop time between steps
     out["between_steps_ms"] = {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps, default=0.0)}
-    slow = [s for s in steps if s["ms"] > 2 * pct([x["ms"] for x in steps], 50)]
+    median = pct([s["ms"] for s in steps], 50)
+    slow = [s for s in steps if s["ms"] > 2 * median]
     out["slow_steps_with_events"] = {e: sum(e in s.get("events", []) for s in slow) for e in ("gc", "malloc", "free",
                                                                                              "retry")}
     out["slow_steps"] = len(slow)
@@ -92,8 +93,8 @@ def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
             classes["delivery"] += 1
     long_steps.sort(key=lambda s: -s["ms"])
     return {"itl_ms": {"p50": p50, "p90": pct(itl, 90), "p99": pct(itl, 99), "n": len(itl)},
-            "slow_gaps": sum(classes.values()), "classes": dict(classes), "slow_step_modes": dict(slow_modes.most_common(8)),
-            "slowest_steps": long_steps[:10]}
+            "slow_gaps": sum(classes.values()), "classes": dict(classes),
+            "slow_step_modes": dict(slow_modes.most_common(8)), "slowest_steps": long_steps[:10]}
 
 
 def main() -> None:

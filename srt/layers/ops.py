@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 import torch.nn.functional as F
 
 from radixlm.kernels.activation import silu_and_mul_ref

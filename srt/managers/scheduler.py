@@ -29,8 +29,8 @@ from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.managers.schedule_batch import ScheduledBatch, build_decode, build_extend, sampling_info
 from radixlm.srt.managers.schedule_policy import SchedulePolicy
 from radixlm.srt.managers.schedule_prefill import schedule_extend
-from radixlm.srt.managers.step_trace import StepTrace
 from radixlm.srt.managers.scheduler_grammar import SchedulerGrammar
+from radixlm.srt.managers.step_trace import StepTrace
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardMode
 from radixlm.srt.utils import to_device
@@ -161,11 +161,11 @@ class Scheduler:
             t3 = time.perf_counter()
             if batch is not None and self._launch_sample(batch):
                 self.inflight = batch
-        elif batch is not None and self._launch_sample(batch):
-            t3 = time.perf_counter()
-            outputs += self._process(batch)
         else:
+            sampled = batch is not None and self._launch_sample(batch)
             t3 = time.perf_counter()
+            if sampled:
+                outputs += self._process(batch)
         outputs += self._outputs  # requests failed by a batch that ran out of memory
         self._outputs = []
         t4 = time.perf_counter()

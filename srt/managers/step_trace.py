@@ -3,8 +3,8 @@
 Set RADIXLM_STEP_TRACE=path (a file, or a directory to get one file per scheduler process) and the scheduler
 appends one JSON line per step: start time, kind, batch size, tokens, decode riders, outputs and its host
 phases, the cyclic collector's pass count and, on CUDA, the caching allocator's device malloc / free / retry
-counts (cumulative: a step whose counts moved paid for a device sync). Lines are buffered and written every few hundred steps and at exit, so tracing costs the step loop
-no file I/O in between.
+counts (cumulative: a step whose counts moved paid for a device sync). Lines are buffered and written every
+few hundred steps, on /flush_cache and at exit, so tracing costs the step loop no file I/O in between.
 """
 from __future__ import annotations
 

@@ -82,15 +82,21 @@ def three_turns(s, i):
         s += f"Program {i} turn {turn}:" + sgl.gen(f"t{turn}", max_tokens=1)
 
 
-def test_run_batch_reuses_one_connection_per_thread(stub):
-    srv = stub(0.05)
+def _run_batch(srv: _Stub, n: int) -> list:
+    """`three_turns` for n programs on n threads against the stub; every program must succeed."""
     be = sgl.RuntimeEndpoint(f"http://127.0.0.1:{srv.server_address[1]}")
-    threads = 48
     try:
-        states = three_turns.run_batch([{"i": i} for i in range(threads)], backend=be, num_threads=threads)
+        states = three_turns.run_batch([{"i": i} for i in range(n)], backend=be, num_threads=n)
     finally:
         be.shutdown()
-    assert [s.error for s in states] == [None] * threads
+    assert [s.error for s in states] == [None] * n
+    return states
+
+
+def test_run_batch_reuses_one_connection_per_thread(stub):
+    srv = stub(0.05)
+    threads = 48
+    states = _run_batch(srv, threads)
     assert [s["t2"] for s in states] == [" ok"] * threads
     assert srv.requests == 3 * threads
     assert srv.peak > 20  # the turns really overlapped beyond httpx's default keep-alive pool
@@ -100,11 +106,5 @@ def test_run_batch_reuses_one_connection_per_thread(stub):
 
 def test_run_batch_not_capped_at_100_requests_in_flight(stub):
     srv = stub(0.3)
-    be = sgl.RuntimeEndpoint(f"http://127.0.0.1:{srv.server_address[1]}")
-    n = 128
-    try:
-        states = three_turns.run_batch([{"i": i} for i in range(n)], backend=be, num_threads=n)
-    finally:
-        be.shutdown()
-    assert [s.error for s in states] == [None] * n
+    _run_batch(srv, 128)
     assert srv.peak > 100  # httpx's default max_connections=100 queued the rest in the client

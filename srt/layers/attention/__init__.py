@@ -20,6 +20,21 @@ def _importable(module: str) -> bool:
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
+def _check_flashinfer(device_type: str, fi_dtype: bool, fi_heads: bool, head_dim, dtype) -> None:
+    # Device and model checks first: they hold whether or not the package is installed here.
+    needs = "attention_backend flashinfer needs a CUDA device and the flashinfer package (pip install 'radixlm[gpu]')"
+    if device_type != "cuda":
+        raise ValueError(needs)
+    if not fi_dtype:
+        raise ValueError(f"attention_backend flashinfer runs float16 and bfloat16, not {dtype}: use --dtype bfloat16 "
+                         "or --attention-backend triton")
+    if not fi_heads:
+        raise ValueError(f"attention_backend flashinfer has kernels for head sizes {FLASHINFER_HEAD_DIMS}; this "
+                         f"model's is {head_dim}: use --attention-backend triton")
+    if not _importable("flashinfer"):
+        raise ValueError(needs)
+
+
 def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dtype=None) -> str:
     """`auto`: FlashInfer when importable on CUDA (and it has kernels for the model's head size and dtype), else
     Triton on CUDA, else torch-native."""
@@ -33,15 +48,8 @@ def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dt
         return "torch_native"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {('auto', *BACKENDS)}, got {name!r}")
-    if name == "flashinfer" and not fi_dtype:
-        raise ValueError(f"attention_backend flashinfer runs float16 and bfloat16, not {dtype}: use --dtype bfloat16 "
-                         "or --attention-backend triton")
-    if name == "flashinfer" and not fi_heads:
-        raise ValueError(f"attention_backend flashinfer has kernels for head sizes {FLASHINFER_HEAD_DIMS}; this "
-                         f"model's is {head_dim}: use --attention-backend triton")
-    if name == "flashinfer" and (device_type != "cuda" or not _importable("flashinfer")):
-        raise ValueError("attention_backend flashinfer needs a CUDA device and the flashinfer package "
-                         "(pip install 'radixlm[gpu]')")
+    if name == "flashinfer":
+        _check_flashinfer(device_type, fi_dtype, fi_heads, head_dim, dtype)
     if name == "triton" and not _importable("triton"):
         raise ValueError("attention_backend triton needs the triton package")
     return name
