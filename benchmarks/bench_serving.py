@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from radixlm.srt.managers.step_trace import ProcessTrace
 
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "government company number group problem fact river mountain ocean forest city garden window table "
@@ -152,7 +155,10 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
     sem = asyncio.Semaphore(args.max_concurrency or len(specs) or 1)
     rng = random.Random(args.seed + 1)
 
+    events = ProcessTrace(None) if args.save_chunk_times else None  # the client's own collector passes and stalls
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        watcher = asyncio.create_task(events.watch_loop()) if events is not None else None
+
         async def guarded(spec):
             async with sem:
                 return await one_request(client, args, spec)
@@ -165,7 +171,11 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        if watcher is not None:
+            watcher.cancel()
+            args.client_events = [json.loads(line) for line in events.lines]
+        return results, duration
 
 
 def wait_for_server(base_url: str, seconds: float) -> list[str]:
@@ -230,11 +240,15 @@ def main() -> None:
     if args.model is None:
         args.model = models[0]
     specs = make_dataset(args)
+    # The prompts and imports live through the run: keep them out of the collector's full passes, which would
+    # otherwise stall this loop mid-stream and show up as the server's inter-token latency.
+    gc.collect()
+    gc.freeze()
     results, duration = asyncio.run(run(args, specs))
     ok = [r for r in results if r.ok and not r.aborted]
     out_tokens = sum(r.output_tokens for r in ok)
     report = {
-        "label": args.label or args.base_url, "config": vars(args) | {"request_rate": str(args.request_rate)},
+        "label": args.label or args.base_url, "config": {k: v for k, v in vars(args).items() if k != "client_events"} | {"request_rate": str(args.request_rate)},
         "completed": len(ok), "aborted": sum(r.aborted for r in results),
         "valid_json": sum(_valid_record(r.text) for r in ok) if args.dataset == "json" else None,
         "failed": sum(not r.ok and not r.aborted for r in results),
@@ -252,6 +266,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     if args.save_chunk_times:  # perf_counter is CLOCK_MONOTONIC: comparable with the server's step trace
         report["chunk_times"] = [r.times for r in ok]
+        report["client_events"] = getattr(args, "client_events", [])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

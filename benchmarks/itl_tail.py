@@ -12,6 +12,10 @@ A gap is slow when it exceeds twice the ITL median. Each one is put in one class
               riders, or it was not scheduled);
   delivery    the server's steps in the gap were short and few: the token waited in the output path
               (detokenizer, tokenizer manager, HTTP, client).
+Where the output path traced itself too (the detokenizer's and tokenizer manager's files beside the step trace,
+the client's own collector passes and loop stalls in its JSON), the report adds each hop's latency and puts
+every delivery gap against what overlapped it: a collector pass or a loop stall in the server's HTTP process,
+in the client, in the detokenizer, or a slow hop.
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
     classes: Counter = Counter()
     slow_modes: Counter = Counter()
     long_steps: list[dict] = []
+    delivery: list[tuple[float, float]] = []
     for (a, b), ms in zip(gaps, itl):
         if ms <= 2 * p50:
             continue
@@ -91,10 +96,66 @@ def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
             slow_modes["+".join(s.get("mode", "?") for s in window[:4])] += 1
         else:
             classes["delivery"] += 1
+            delivery.append((a, b))
     long_steps.sort(key=lambda s: -s["ms"])
     return {"itl_ms": {"p50": p50, "p90": pct(itl, 90), "p99": pct(itl, 99), "n": len(itl)},
             "slow_gaps": sum(classes.values()), "classes": dict(classes),
-            "slow_step_modes": dict(slow_modes.most_common(8)), "slowest_steps": long_steps[:10]}
+            "slow_step_modes": dict(slow_modes.most_common(8)), "slowest_steps": long_steps[:10],
+            "delivery_gaps": delivery}
+
+
+def load_events(trace: Path, client: dict) -> dict[str, list[dict]]:
+    """Output-path records by process: tokenizer / detokenizer (beside the step trace) and client."""
+    out = {"client": client.get("client_events") or []}
+    for kind in ("tokenizer", "detokenizer"):
+        f = trace.with_name(f"{trace.stem}.{kind}{trace.suffix}")
+        out[kind] = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+    return out
+
+
+def output_path(events: dict[str, list[dict]], t0: float, t1: float) -> dict:
+    """Hop latencies and each process's collector passes and loop stalls inside the client's run."""
+    res: dict = {"hops_ms": {}, "gc": {}, "lag": {}}
+    tok = [e for e in events["tokenizer"] if e["k"] == "batch" and t0 <= e["recv"] <= t1]
+    det = [e for e in events["detokenizer"] if e["k"] == "batch" and t0 <= e["recv"] <= t1]
+    hops = {"scheduler->detokenizer": [(e["recv"] - e["sched"]) * 1e3 for e in det if e.get("sched")],
+            "detokenizer work": [(e["sent"] - e["recv"]) * 1e3 for e in det],
+            "detokenizer->tokenizer": [(e["recv"] - e["detok"]) * 1e3 for e in tok if e.get("detok")],
+            "scheduler->tokenizer": [(e["recv"] - e["sched"]) * 1e3 for e in tok if e.get("sched")]}
+    for name, v in hops.items():
+        if v:
+            res["hops_ms"][name] = {"p50": round(pct(v, 50), 3), "p99": round(pct(v, 99), 3), "max": round(max(v), 3)}
+    for proc, evs in events.items():
+        gcs = [e for e in evs if e["k"] == "gc" and t0 <= e["t"] <= t1]
+        lags = [e for e in evs if e["k"] == "lag" and t0 <= e["t"] <= t1]
+        if gcs:
+            res["gc"][proc] = {"passes": len(gcs), "by_gen": dict(Counter(e["gen"] for e in gcs)),
+                               "total_ms": round(sum(e["ms"] for e in gcs), 2), "max_ms": max(e["ms"] for e in gcs)}
+        if lags:
+            res["lag"][proc] = {"stalls": len(lags), "max_ms": max(e["ms"] for e in lags),
+                                "total_ms": round(sum(e["ms"] for e in lags), 2)}
+    return res
+
+
+def blame_delivery(gaps: list[tuple[float, float]], events: dict[str, list[dict]]) -> dict:
+    """For each delivery gap, the output-path events that overlap it (a gap can have several causes)."""
+    spans = []  # (start, end, cause)
+    for proc, evs in events.items():
+        for e in evs:
+            if e["k"] == "gc" and e["ms"] >= 1.0:
+                spans.append((e["t"], e["t"] + e["ms"] / 1e3, f"{proc} gc"))
+            elif e["k"] == "lag":
+                spans.append((e["t"], e["t"] + (e["ms"] + 1.0) / 1e3, f"{proc} loop stall"))
+            elif e["k"] == "batch" and proc == "tokenizer" and e.get("sched") and e["recv"] - e["sched"] > 0.002:
+                spans.append((e["sched"], e["recv"], "slow hop to tokenizer"))
+    spans.sort()
+    starts = [s[0] for s in spans]
+    blame: Counter = Counter()
+    for a, b in gaps:
+        hit = {c for s, e, c in spans[max(0, bisect.bisect_left(starts, a - 0.1)):bisect.bisect_right(starts, b)]
+               if s < b and e > a}
+        blame.update(hit or {"nothing traced"})
+    return dict(blame.most_common())
 
 
 def main() -> None:
@@ -112,6 +173,9 @@ def main() -> None:
     if not steps:
         raise SystemExit("no server steps inside the client's run: are both on one machine and one trace file?")
     res = {"label": report.get("label"), "steps": step_summary(steps), **classify(steps, times)}
+    events = load_events(args.trace, report)
+    res["output_path"] = output_path(events, t0, t1)
+    res["delivery_blame"] = blame_delivery(res.pop("delivery_gaps"), events)
     print(f"{res['label']}: ITL p50 {res['itl_ms']['p50']:.1f} ms, p99 {res['itl_ms']['p99']:.1f} ms; "
           f"{res['slow_gaps']} gaps > 2x p50 of {res['itl_ms']['n']}: {res['classes']}")
     print("  slow gaps by server step kind:", res["slow_step_modes"])
@@ -119,6 +183,8 @@ def main() -> None:
         print(f"  {mode:>16}: {st}")
     for s in res["slowest_steps"][:5]:
         print("  slow step:", s)
+    print("  output path:", res["output_path"])
+    print("  delivery gaps overlapped by:", res["delivery_blame"])
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))
 

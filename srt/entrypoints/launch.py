@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -147,6 +148,10 @@ def launch_server(args: ServerArgs) -> int:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await tm.start()
+        # Everything loaded so far (tokenizer, app, imports) lives as long as the server: keep it out of the
+        # collector's full passes, which otherwise walk it mid-stream and hold every stream's next chunk.
+        gc.collect()
+        gc.freeze()
         exit_code["served"] = True
         task = asyncio.create_task(watchdog())
         logger.info("radixlm ready: %s on http://%s:%d (%s, %s, KV cache %d tokens)", resolved.served_model_name,

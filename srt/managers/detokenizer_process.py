@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import logging
+import gc
+import signal
 import sys
+import time
 import traceback
 
 import msgspec
@@ -10,6 +13,7 @@ import zmq
 
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput
+from radixlm.srt.managers.step_trace import ProcessTrace
 from radixlm.srt.model_loader.hf_loader import load_tokenizer
 from radixlm.srt.utils import configure_logging, die_with_parent, parent_alive
 
@@ -32,19 +36,33 @@ def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict
     ready.send({"status": "ready"})
     decoder = msgspec.msgpack.Decoder(BatchTokenOutput)
     encoder = msgspec.msgpack.Encoder()
+    trace = ProcessTrace.from_env("detokenizer")
+    if trace is not None:  # the launcher stops children with SIGTERM: exit through atexit, which writes it out
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # The tokenizer and imports live as long as the process: keep them out of the collector's full passes,
+    # which would otherwise hold up a step's tokens for as long as they take to walk.
+    gc.collect()
+    gc.freeze()
     try:
         while True:
             if not recv.poll(500):
+                if trace is not None:
+                    trace.flush()  # idle: servers are killed, not exited, so write out now
                 if not parent_alive(parent_pid):
                     return
                 continue
-            batch = decoder.decode(recv.recv())
+            raw = recv.recv()
+            t_recv = time.perf_counter()
+            batch = decoder.decode(raw)
             for out in batch.outputs:
                 if out.detok is not None and out.rid not in detok.states:
                     detok.register(out.rid, **out.detok)
             items = [msgspec.structs.replace(d.out, delta=d.delta, detok=None) for d in detok.process(batch.outputs)]
             if items:
-                send.send(encoder.encode(BatchStrOutput(items)))
+                t_sent = time.perf_counter()
+                send.send(encoder.encode(BatchStrOutput(items, batch.sent_at, t_sent)))
+                if trace is not None:
+                    trace.batch(sched=batch.sent_at, recv=t_recv, sent=t_sent, n=len(items))
     except Exception:
         logger.error("detokenizer crashed:\n%s", traceback.format_exc())
         sys.exit(1)

@@ -55,11 +55,14 @@ SchedulerIn = Union[GenerateReq, AbortReq, ControlReq]
 # --- scheduler -> detokenizer --------------------------------------------------------------------------------
 class BatchTokenOutput(msgspec.Struct, tag=True):
     outputs: list[TokenOutput]
+    sent_at: float = 0.0  # the scheduler's perf_counter (CLOCK_MONOTONIC, one clock for all processes) at send
 
 
 # --- detokenizer / scheduler -> tokenizer manager ----------------------------------------------------------
 class BatchStrOutput(msgspec.Struct, tag=True):
     outputs: list[TokenOutput]  # with `delta` set and `detok` dropped
+    sched_at: float = 0.0  # when the scheduler sent these tokens
+    detok_at: float = 0.0  # when the detokenizer sent them on
 
 
 class ControlResp(msgspec.Struct, tag=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 
 import msgspec
@@ -80,7 +81,7 @@ class SchedulerLoop:
             if self.scheduler.has_work():
                 outputs = self.scheduler.step()
                 if outputs:
-                    self.to_detok.send(self.encoder.encode(BatchTokenOutput(outputs)))
+                    self.to_detok.send(self.encoder.encode(BatchTokenOutput(outputs, time.perf_counter())))
 
     def _drain(self) -> None:
         while True:

@@ -5,6 +5,11 @@ appends one JSON line per step: start time, kind, batch size, tokens, decode rid
 phases, the cyclic collector's pass count and, on CUDA, the caching allocator's device malloc / free / retry
 counts (cumulative: a step whose counts moved paid for a device sync). Lines are buffered and written every
 few hundred steps, on /flush_cache and at exit, so tracing costs the step loop no file I/O in between.
+
+The output path traces itself beside it (`ProcessTrace`: the detokenizer and the tokenizer manager write
+`<trace>.detokenizer.jsonl` / `<trace>.tokenizer.jsonl`): one line per output batch with the time each process
+handled it, plus every collector pass and, in the asyncio process, every event-loop stall, so a token that was
+sampled on time but reached the client late can be pinned to a hop.
 """
 from __future__ import annotations
 
@@ -14,7 +19,20 @@ import json
 import os
 from pathlib import Path
 
-import torch
+import sys
+import time
+
+
+def trace_path(kind: str) -> Path | None:
+    """Where process `kind` writes its trace, from RADIXLM_STEP_TRACE (a directory: one file per process; a
+    file: the scheduler's steps there, the other processes' beside it as <stem>.<kind><suffix>)."""
+    target = os.environ.get("RADIXLM_STEP_TRACE")
+    if not target:
+        return None
+    path = Path(target)
+    if path.is_dir():
+        return path / f"{kind}-{os.getpid()}.jsonl"
+    return path if kind == "steps" else path.with_name(f"{path.stem}.{kind}{path.suffix}")
 
 
 class StepTrace:
@@ -27,18 +45,14 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> "StepTrace | None":
-        target = os.environ.get("RADIXLM_STEP_TRACE")
-        if not target:
-            return None
-        path = Path(target)
-        if path.is_dir():
-            path = path / f"steps-{os.getpid()}.jsonl"
-        return cls(path)
+        path = trace_path("steps")
+        return cls(path) if path is not None else None
 
     def record(self, t0: float, info: dict, n_outputs: int) -> None:
         rec = {"t": round(t0, 6), "outputs": n_outputs, **info,
                "gc": sum(g["collections"] for g in gc.get_stats())}
-        if torch.cuda.is_initialized():  # device mallocs/frees and allocator retries synchronize the host
+        torch = sys.modules.get("torch")  # not imported here: a benchmark client uses ProcessTrace without it
+        if torch is not None and torch.cuda.is_initialized():  # device mallocs/frees and allocator retries synchronize the host
             m = torch.cuda.memory_stats()
             rec["cuda_alloc"] = [m.get("num_device_alloc", 0), m.get("num_device_free", 0),
                                  m.get("num_alloc_retries", 0)]
@@ -47,7 +61,61 @@ class StepTrace:
             self.flush()
 
     def flush(self) -> None:
-        if self.lines:
+        if self.lines and self.path is not None:
+            with open(self.path, "a") as f:
+                f.write("\n".join(self.lines) + "\n")
+            self.lines = []
+
+
+class ProcessTrace:
+    """An output-path process's trace: `batch(**times)` per batch handled, collector passes (generation, pause)
+    from gc.callbacks, and, once `watch_loop()` runs in an asyncio loop, every wake-up over 2 ms late. With no
+    path the lines stay in `lines` (a benchmark client keeps them in its own report)."""
+
+    FLUSH_EVERY = 512
+    LAG_TICK_S = 0.001
+    LAG_REPORT_S = 0.002
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.lines: list[str] = []
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+        atexit.register(self.flush)
+
+    @classmethod
+    def from_env(cls, kind: str) -> "ProcessTrace | None":
+        path = trace_path(kind)
+        return cls(path) if path is not None else None
+
+    def _add(self, rec: dict) -> None:
+        self.lines.append(json.dumps(rec))
+        if len(self.lines) >= self.FLUSH_EVERY:
+            self.flush()
+
+    def batch(self, **times: float) -> None:
+        self._add({"k": "batch", **{k: round(v, 6) if isinstance(v, float) else v for k, v in times.items()}})
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start = now
+        else:
+            self.lines.append(json.dumps({"k": "gc", "t": round(self._gc_start, 6), "gen": info["generation"],
+                                          "ms": round((now - self._gc_start) * 1e3, 3)}))
+
+    async def watch_loop(self) -> None:
+        import asyncio
+
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.LAG_TICK_S)
+            late = time.perf_counter() - t - self.LAG_TICK_S
+            if late > self.LAG_REPORT_S:
+                self._add({"k": "lag", "t": round(t, 6), "ms": round(late * 1e3, 3)})
+
+    def flush(self) -> None:
+        if self.lines and self.path is not None:
             with open(self.path, "a") as f:
                 f.write("\n".join(self.lines) + "\n")
             self.lines = []

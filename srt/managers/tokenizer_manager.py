@@ -18,6 +18,7 @@ from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
 from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, TokenizerIn,
                                             TokenOutput)
 from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand, tokenize
+from radixlm.srt.managers.step_trace import ProcessTrace
 from radixlm.srt.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class TokenizerManager:
         self._control_ids = itertools.count()
         self._control_waiters: dict[int, asyncio.Future] = {}
         self._encoder = msgspec.msgpack.Encoder()
+        self.trace = ProcessTrace.from_env("tokenizer")
 
     async def start(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -105,6 +107,8 @@ class TokenizerManager:
         self.recv = ctx.socket(zmq.PULL)
         self.recv.bind(self.endpoints["tokenizer"])
         self._recv_task = asyncio.create_task(self._recv_loop())
+        if self.trace is not None:
+            self._lag_task = asyncio.create_task(self.trace.watch_loop())
 
     # --- submission ------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -193,6 +197,8 @@ class TokenizerManager:
     async def control(self, kind: str, timeout: float = 10.0):
         if self.dead:
             raise ServiceUnavailable(f"the server cannot serve requests: {self.dead}")
+        if self.trace is not None and kind == "flush_cache":
+            self.trace.flush()  # a quiet moment (servers are killed, not exited)
         cid = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self._control_waiters[cid] = fut
@@ -230,6 +236,8 @@ class TokenizerManager:
 
     def _handle_batch(self, batch: BatchStrOutput) -> None:
         now = time.perf_counter()
+        if self.trace is not None:
+            self.trace.batch(sched=batch.sched_at, detok=batch.detok_at, recv=now, n=len(batch.outputs))
         for out in batch.outputs:
             st = self.states.get(out.rid)
             if st is None:  # aborted by us already

@@ -1,0 +1,65 @@
+"""RADIXLM_STEP_TRACE: the scheduler's step trace and the output path's own traces (detokenizer, tokenizer
+manager, benchmark client) line up on one clock, and itl_tail.py reads all of them."""
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+
+from tests.conftest import ROOT
+from tests.helpers import ServerProcess
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_output_path_trace_lines_up_with_steps(tmp_path):
+    trace = tmp_path / "steps.jsonl"
+    srv = ServerProcess("--max-total-tokens", "4096", env={"RADIXLM_STEP_TRACE": str(trace)})
+    try:
+        client = tmp_path / "run.json"
+        bench = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks/bench_serving.py"), "--base-url", srv.url, "--num-prompts", "4",
+             "--max-concurrency", "2", "--input-len", "16", "--output-len", "8", "--save-chunk-times",
+             "--out", str(client)], env=ENV, capture_output=True,
+            text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr[-2000:]
+        # /flush_cache is the quiet moment at which the scheduler and tokenizer manager write their buffers out
+        assert httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code == 200
+    finally:
+        assert srv.stop() == 0
+
+    steps = _lines(trace)
+    tok = [e for e in _lines(tmp_path / "steps.tokenizer.jsonl") if e["k"] == "batch"]
+    det = [e for e in _lines(tmp_path / "steps.detokenizer.jsonl") if e["k"] == "batch"]
+    report = json.loads(client.read_text())
+    assert report["completed"] == 4 and len(report["chunk_times"]) == 4
+    assert isinstance(report["client_events"], list)
+    # every batch went scheduler -> detokenizer -> tokenizer manager, in that order on the shared clock
+    assert det and tok
+    for e in det:
+        assert e["sched"] <= e["recv"] <= e["sent"]
+    for e in tok:
+        assert 0 < e["sched"] <= e["detok"] <= e["recv"]
+    assert {e["sched"] for e in tok} <= {e["sched"] for e in det}
+    # tokens reach the tokenizer manager after the step that sampled them began, and clients after that
+    first_step = min(s["t"] for s in steps)
+    assert min(e["sched"] for e in tok) > first_step
+    assert sum(e["n"] for e in tok) >= sum(len(t) - 1 for t in report["chunk_times"])
+
+    out = tmp_path / "tail.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/itl_tail.py"), str(trace), str(client),
+                          "--out", str(out)], env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    tail = json.loads(out.read_text())
+    hops = tail["output_path"]["hops_ms"]
+    assert set(hops) == {"scheduler->detokenizer", "detokenizer work", "detokenizer->tokenizer",
+                         "scheduler->tokenizer"}
+    assert all(h["p50"] >= 0 and h["max"] >= h["p50"] for h in hops.values())
+    assert sum(tail["classes"].values()) == tail["slow_gaps"]
+    assert sum(tail["delivery_blame"].values()) >= tail["classes"].get("delivery", 0)
