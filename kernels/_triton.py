@@ -2,6 +2,8 @@
 `@triton.jit` functions are then never launched)."""
 from __future__ import annotations
 
+import os
+
 try:
     import triton
     import triton.language as tl
@@ -19,4 +21,26 @@ except ImportError:
 
     triton = tl = _Stub()
 
-__all__ = ["triton", "tl"]
+try:  # programmatic dependent launch (Hopper+): griddepcontrol.wait / .launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+_PDL: dict = {}
+
+
+def pdl_enabled(device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch: a kernel may then start (and
+    stream the weights it will need) while the one before it finishes, and waits (`gdc_wait`) only before it
+    reads that kernel's output. Hopper or newer, real CUDA (not the interpreter); RADIXLM_PDL=0 turns it off."""
+    key = getattr(device, "index", None)
+    if key not in _PDL:
+        import torch
+
+        _PDL[key] = (gdc_wait is not None and os.environ.get("RADIXLM_PDL", "1") != "0"
+                     and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
+                     and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _PDL[key]
+
+
+__all__ = ["triton", "tl", "gdc_launch_dependents", "gdc_wait", "pdl_enabled"]

@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels._triton import tl, triton
+from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_enabled, tl, triton
 
 logger = logging.getLogger(__name__)
 
@@ -32,38 +32,52 @@ def gemv_silu_mul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 
 @triton.jit
+def _load_w(rows, k0, K, rk, n_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(rows + k0, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+    return tl.load(rows + k0, mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _load_x(rows, k0, K, rk, m_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)
+    return tl.load(rows + k0, mask=m_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, up_offset,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()  # the next kernel may start once every program of this one has
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     m_mask = rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    u_rows = w_rows + up_offset * stride_wn  # SILU_MUL: the up rows sit `up_offset` rows below the gate rows
     x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    # The first weight tile does not depend on the kernel before this one: load it before waiting for that
+    # kernel's output (x), so under programmatic dependent launch the weight stream starts during its tail.
+    w = _load_w(w_rows, 0, K, rk, n_mask, EVEN_K)
+    if SILU_MUL:
+        u = _load_w(u_rows, 0, K, rk, n_mask, EVEN_K)
+    if USE_PDL:
+        gdc_wait()
     # fp32 partial sums over K stay per lane ([M, N, K] products) and are reduced once at the end, so the loop
-    # body is only loads and FMAs; the up rows (SILU_MUL) sit `up_offset` rows below the gate rows.
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k0, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            k_mask = (k0 + rk) < K
-            x = tl.load(x_rows + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    # body is only loads and FMAs.
+    x = _load_x(x_rows, 0, K, rk, m_mask, EVEN_K)
+    acc = x[:, None, :] * w.to(tl.float32)[None, :, :]
+    if SILU_MUL:
+        acc_up = x[:, None, :] * u.to(tl.float32)[None, :, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x = _load_x(x_rows, k0, K, rk, m_mask, EVEN_K)
+        acc += x[:, None, :] * _load_w(w_rows, k0, K, rk, n_mask, EVEN_K).to(tl.float32)[None, :, :]
         if SILU_MUL:
-            if EVEN_K:
-                u = tl.load(w_rows + up_offset * stride_wn + k0, mask=n_mask[:, None], other=0.0,
-                            eviction_policy="evict_first")
-            else:
-                u = tl.load(w_rows + up_offset * stride_wn + k0, mask=n_mask[:, None] & k_mask[None, :],
-                            other=0.0, eviction_policy="evict_first")
-            acc_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
+            acc_up += x[:, None, :] * _load_w(u_rows, k0, K, rk, n_mask, EVEN_K).to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
@@ -103,10 +117,11 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), n,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, USE_PDL=pdl,
+        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
