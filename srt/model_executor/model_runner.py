@@ -74,14 +74,17 @@ class ModelRunner:
         self.attn_backend = create_backend(self.attn_backend_name, self)
         self.kernel_ops = select_kernel_ops("auto", self.device)
         self.model.set_kernel_ops(self.kernel_ops)
+        # On CPU the layers run as one flat loop (per-op overhead is most of a small model's step there).
+        self.cpu_path = self.device.type == "cpu" and self.model.enable_cpu_path()
         self.sampler = Sampler(self.vocab_size, self.device)
         self.staging = HostStaging(self.device)
         # Sampled ids that later steps read before the host has seen them (overlap scheduling).
         self.future_map = torch.zeros(4 * self.max_running_requests + 64, dtype=torch.int64, device=self.device)
         self._future_next = 0
-        logger.info("KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s",
+        logger.info("KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s%s",
                     self.max_total_tokens, self.max_total_tokens * bytes_per_token / 1e9,
-                    self.max_running_requests, self.attn_backend_name, self.kernel_ops.name)
+                    self.max_running_requests, self.attn_backend_name, self.kernel_ops.name,
+                    " (flat CPU layer loop)" if self.cpu_path else "")
         self.graph_runner = None
         self.piecewise_runner = None
         if self.device.type == "cuda":

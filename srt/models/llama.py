@@ -11,6 +11,7 @@ from radixlm.srt.layers.attention.base import RadixAttention
 from radixlm.srt.layers.basic import Embedding, Linear, QuantizedMatmul, RMSNorm
 from radixlm.srt.layers.ops import TORCH_OPS, KernelOps
 from radixlm.srt.layers.rotary import RotaryEmbedding
+from radixlm.srt.models.llama_cpu import CpuDecoderPath
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 from radixlm.srt.model_loader.model_config import ModelConfig
 
@@ -97,8 +98,12 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The flat CPU loop over the same weights (llama_cpu.py), when the runner turned it on.
+        self.cpu_path: CpuDecoderPath | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if self.cpu_path is not None:
+            return self.cpu_path.forward(input_ids, positions, fb)
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -121,6 +126,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def enable_cpu_path(self) -> bool:
+        """Run the layers through the flat CPU loop (llama_cpu.py) from now on; False when the model holds a
+        weight form that loop does not run. Call after loading: the loop holds the loaded tensors."""
+        self.model.cpu_path = CpuDecoderPath.build(self.model, self.config)
+        return self.model.cpu_path is not None
 
     def set_kernel_ops(self, ops: KernelOps) -> None:
         for module in self.modules():

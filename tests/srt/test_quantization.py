@@ -94,13 +94,15 @@ def test_logits_close_to_fp32_within_bf16_error(fp32_engine, q_engine):
     model = fp32_engine.runner.model
     model.set_kernel_ops(dataclasses.replace(ops, linear=bf16_linear,
                                              gate_up_silu=lambda x, w, b: ops.silu_and_mul(bf16_linear(x, w, b))))
+    cpu_path, model.model.cpu_path = model.model.cpu_path, None  # the module path is the one that runs `ops`
     try:
         bf16 = [_rel(r, forward_logits(fp32_engine, i)) for r, i in zip(ref, ids)]
     finally:
         model.set_kernel_ops(ops)
+        model.model.cpu_path = cpu_path
     print(f"\nlogits rel. error vs fp32: int4 gguf {quant}, bf16 activations on dequantized weights {bf16}")
-    assert max(quant) < 0.03  # measured 0.018
-    assert max(quant) < 2 * max(bf16)  # measured 0.018 vs 0.017
+    assert max(quant) < 0.03  # measured 0.017 (0.018 with the bf16 hi + lo head)
+    assert max(quant) < 2 * max(bf16)  # measured 0.017 vs 0.016
 
 
 def test_greedy_answers_unchanged(fp32_engine, q_engine):

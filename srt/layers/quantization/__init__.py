@@ -2,8 +2,9 @@
 
 none: every weight dequantized to the run dtype (the reference path).
 gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit and run through torch's int4 CPU matmul
-      (gguf_int4.py); the output projection runs as two bf16 GEMMs (hi + lo parts); a Q8_0 embedding
-      keeps its 8-bit blocks and dequantizes the rows it looks up (gguf_q8.py); the rest is dequantized.
+      (gguf_int4.py); a Q8_0 embedding keeps its 8-bit blocks and dequantizes the rows it looks up
+      (gguf_q8.py); a head tied to it runs on those blocks through our C kernel (q8_gemm.c), else (no C
+      compiler, or an untied head) as two bf16 GEMMs (hi + lo parts); the rest is dequantized.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 
 from radixlm.srt.layers.basic import Linear
+from radixlm.srt.layers.quantization import cpu_ext
+from radixlm.srt.layers.quantization.gguf_q8 import Q8Linear
 from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, SplitBf16Linear, Q4Blocks
 
 logger = logging.getLogger(__name__)
@@ -61,7 +64,9 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
     # Shards of a projection whose other shards are not Q4 (mixed-type files) load dequantized.
     model.load_weights(ckpt.weights(dtype, skip=frozenset(skip)), prefilled=frozenset(prefilled))
     head = getattr(model, "lm_head", None)
-    if head is None:  # tied to the embedding
+    if head is None and table is not None and cpu_ext.load() is not None:
+        model.lm_head_quant = Q8Linear(table)  # tied: the embedding's own blocks, read by our kernel
+    elif head is None:  # tied to the embedding
         n, k = model.config.vocab_size, model.config.hidden_size
         rows = table.dequantize if table is not None else (lambda s, e: embed.weight[s:e])
         model.lm_head_quant = SplitBf16Linear.from_rows(rows, n, k)
@@ -69,7 +74,9 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         w = head.weight.detach()
         model.lm_head_quant = SplitBf16Linear.from_rows(lambda s, e: w[s:e], *w.shape)
         head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # no longer read
-    logger.info("gguf quantization: %d linears kept in int4 (%.1f MB), embedding %s, output projection in bf16 "
-                "hi + lo (%.1f MB)", len(prefilled) - (table is not None), packed_bytes / 1e6,
-                "Q8_0 rows" if table is not None else "dequantized", model.lm_head_quant.nbytes() / 1e6
-                if model.lm_head_quant is not None else 0.0)
+    logger.info("gguf quantization: %d linears kept in int4 (%.1f MB), embedding %s, output projection %s",
+                len(prefilled) - (table is not None), packed_bytes / 1e6,
+                "Q8_0 rows" if table is not None else "dequantized",
+                "on the embedding's Q8_0 blocks" if isinstance(model.lm_head_quant, Q8Linear) else
+                f"in bf16 hi + lo ({model.lm_head_quant.nbytes() / 1e6:.1f} MB)" if model.lm_head_quant is not None
+                else "as its linear")

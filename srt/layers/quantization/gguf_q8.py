@@ -39,3 +39,22 @@ class Q8Rows:
 
     def nbytes(self) -> int:
         return self.q.nbytes + self.d.nbytes
+
+
+
+@dataclass
+class Q8Linear:
+    """x @ W.T straight from Q8_0 blocks (the tied lm_head shares the embedding's Q8Rows: no second copy) with
+    our C kernel (cpu_ext.py, q8_gemm.c): fp32 activations, exact weights, fp32 sums and output."""
+
+    rows: Q8Rows
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from radixlm.srt.layers.quantization.cpu_ext import q8_gemm
+
+        shape = x.shape
+        y = q8_gemm(self.rows.q, self.rows.d, x.reshape(-1, shape[-1]).float())
+        return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+
+    def nbytes(self) -> int:
+        return 0  # the embedding's blocks

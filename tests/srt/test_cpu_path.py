@@ -1,0 +1,103 @@
+"""The flat CPU layer loop (srt/models/llama_cpu.py) against the module path it replaces, and our Q8_0 head
+kernel (srt/layers/quantization/q8_gemm.c) against fp64 on the dequantized weights."""
+import pytest
+import torch
+
+import radixlm
+from radixlm.srt.layers.quantization import cpu_ext
+from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from tests.helpers import forward_logits, make_tiny_checkpoint
+from tests.srt.test_model_correctness import PROMPT_IDS
+
+
+def _module_path(engine):
+    """Context: the engine's model runs its nn.Module layers (the reference) instead of the CPU loop."""
+    class _Ctx:
+        def __enter__(self):
+            self.model = engine.runner.model.model
+            self.path, self.model.cpu_path = self.model.cpu_path, None
+
+        def __exit__(self, *exc):
+            self.model.cpu_path = self.path
+
+    return _Ctx()
+
+
+def _decode_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
+    """Each prompt but its last token as an extend, then one decode step of the whole (ragged) batch."""
+    r = engine.runner
+    rows = [r.req_to_token_pool.alloc() for _ in prompts]
+    slots = [r.token_to_kv_pool.alloc(len(p)) for p in prompts]
+    try:
+        for row, s, p in zip(rows, slots, prompts):
+            r.req_to_token_pool.write(row, 0, s)
+            n = len(p) - 1
+            r.forward(ForwardBatch.build(ForwardMode.EXTEND, r.device, input_ids=p[:n], positions=list(range(n)),
+                                         req_pool_indices=[row], seq_lens=[n], out_cache_loc=s[:n],
+                                         logits_indices=[n - 1], extend_prefix_lens=[0], extend_seq_lens=[n]))
+        fb = ForwardBatch.build(ForwardMode.DECODE, r.device, input_ids=[p[-1] for p in prompts],
+                                positions=[len(p) - 1 for p in prompts], req_pool_indices=rows,
+                                seq_lens=[len(p) for p in prompts], out_cache_loc=torch.stack([s[-1] for s in slots]))
+        return r.forward(fb)
+    finally:
+        for row, s in zip(rows, slots):
+            r.token_to_kv_pool.free(s)
+            r.req_to_token_pool.free(row)
+
+
+def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(smol_engine):
+    """The session's engine where it runs on CPU (the suite on a GPU machine loads a CPU one here)."""
+    if smol_engine.runner.device.type == "cpu":
+        yield smol_engine
+        return
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=4096, device="cpu")
+    yield engine
+    engine.shutdown()
+
+
+def test_cpu_loop_matches_module_path_fp32(cpu_engine):
+    """Same fp32 math, other op order: extend (one and two pieces) and a ragged decode batch."""
+    smol_engine = cpu_engine
+    assert smol_engine.runner.model.model.cpu_path is not None
+    chat = smol_engine.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
+    prompts = [chat, PROMPT_IDS, chat[:7]]
+    fast = [forward_logits(smol_engine, chat), forward_logits(smol_engine, chat, split=9),
+            _decode_logits(smol_engine, prompts)]
+    with _module_path(smol_engine):
+        ref = [forward_logits(smol_engine, chat), forward_logits(smol_engine, chat, split=9),
+               _decode_logits(smol_engine, prompts)]
+    for a, b in zip(fast, ref):
+        assert _rel(b, a) < 1e-5
+    # the ragged batch's rows are each request's own logits
+    alone = torch.cat([_decode_logits(smol_engine, [p]) for p in prompts])
+    assert _rel(alone, fast[2]) < 1e-5
+
+
+def test_cpu_loop_off_for_bf16_models(tmp_path):
+    """bf16 activations on CPU keep the module path (its rounding points are the reference's)."""
+    d = make_tiny_checkpoint(tmp_path / "m", "llama")
+    fp32 = radixlm.Engine(str(d), log_level="warning", max_total_tokens=256, device="cpu")
+    assert fp32.runner.model.model.cpu_path is not None
+    bf16 = radixlm.Engine(str(d), log_level="warning", max_total_tokens=256, dtype="bfloat16", device="cpu")
+    assert bf16.runner.model.model.cpu_path is None
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 40])
+def test_q8_gemm_matches_fp64(m):
+    assert cpu_ext.load() is not None  # CI has gcc: the fallback (bf16 hi + lo) is not what ships there
+    g = torch.Generator().manual_seed(m)
+    n, k = 1000, 96  # n not a multiple of the kernel's 64-row chunks
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    d = torch.rand(n, k // 32, generator=g).half().float() / 50  # fp16 scales, as in the file
+    big = torch.randn(m, k + 5, generator=g)
+    x = big[:, 2:k + 2]  # a row stride other than k
+    w = (q.view(n, -1, 32).double() * d.double().unsqueeze(-1)).view(n, k)
+    ref = x.double() @ w.T
+    y = cpu_ext.q8_gemm(q, d, x)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert _rel(ref, y.double()) < 1e-6  # fp32 sums of exact products
