@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_enabled, tl, triton
+from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 # (BLOCK_N, BLOCK_K, num_warps) candidates; the tuner times them per shape. Register use grows with
 # BLOCK_M * BLOCK_N * BLOCK_K, so larger batches get the narrower tiles.
 CONFIGS: dict[int, list[tuple[int, int, int]]] = {
-    1: [(8, 256, 4), (4, 512, 4), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8)],
+    1: [(8, 256, 4), (4, 512, 4), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8), (1, 1024, 4),
+        (1, 2048, 4), (2, 2048, 8)],
     2: [(8, 256, 4), (8, 128, 4), (4, 256, 4)],
     4: [(8, 128, 4), (4, 256, 4), (4, 128, 4)],
     8: [(4, 128, 4), (8, 64, 4), (2, 256, 4)],
@@ -117,11 +118,10 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), n,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, USE_PDL=pdl,
-        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_M=_block_m(m),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_args(x.device))
     return out
 
 

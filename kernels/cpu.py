@@ -1,0 +1,197 @@
+"""Our C kernels for CPU decode (cpu_kernels.c), compiled on first use and cached, each beside its torch
+reference.
+
+Plain C called through ctypes, not a torch C++ extension: it needs no torch headers, so it compiles in about a
+second (`gcc -O3 -march=native -fopenmp`), a warm start only loads the cached .so, and a call costs ~1-3 us
+against several us per torch op. The cache key is the source, the compiler's version and this CPU's flags (the
+build is -march=native). Without a C compiler `load()` returns None and callers keep their torch-op paths.
+Tensors passed in must be contiguous where the C side says so; the wrappers check what they cannot assume.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "q8_gemm": [_ptr] * 4 + [_i64] * 5,
+    "add_rmsnorm": [_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int],
+    "rope_store": [_ptr, _int, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr] + [_i64] * 4,
+    "decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr] + [_i64] * 4 + [_f32, _i64],
+    "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cc: str, out: Path) -> None:
+    tmp = tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False)
+    tmp.close()
+    try:
+        subprocess.run([cc, *_FLAGS, "-o", tmp.name, str(_SOURCE), "-lm"], check=True, capture_output=True,
+                       text=True)
+        os.replace(tmp.name, out)  # atomic: processes building at once each install a whole file
+    finally:
+        if os.path.exists(tmp.name):
+            os.unlink(tmp.name)
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built on first use), or None where no C compiler works."""
+    from radixlm.srt.model_loader.default_model import cache_dir
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        logger.info("no C compiler: CPU decode runs on torch ops only")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
+                             + _cpu_flags().encode()).hexdigest()[:16]
+        out = cache_dir() / "ext" / f"cpu_kernels-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _build(cc, out)
+            logger.info("built %s", out)
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("could not build the CPU kernels (%s); CPU decode runs on torch ops only", detail[-500:])
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"expected a contiguous CPU tensor, got {tuple(t.shape)} strides {t.stride()}")
+
+
+# --- x @ W.T on Q8_0 blocks ----------------------------------------------------------------------------------
+def q8_gemm(q: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 @ (q [N, K] int8 * d [N, K/32] fp32 per block).T -> [M, N] fp32."""
+    n, k = q.shape
+    _check(q, d)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    load().q8_gemm(q.data_ptr(), d.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n, k, x.stride(0), n)
+    return y
+
+
+def q8_gemm_ref(q: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x.float() @ (q.view(q.shape[0], -1, 32).float() * d.unsqueeze(-1)).view(q.shape).T
+
+
+# --- RMSNorm with the residual add ---------------------------------------------------------------------------
+def add_rmsnorm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """residual [T, H] fp32 += add (bf16 or fp32, same shape), in place; returns rmsnorm(residual) * weight
+    in `out_dtype` (bf16 or fp32)."""
+    t, h = residual.shape
+    _check(residual, weight, *(() if add is None else (add,)))
+    out = torch.empty(t, h, dtype=out_dtype)
+    load().add_rmsnorm(residual.data_ptr(), None if add is None else add.data_ptr(),
+                       add is not None and add.dtype == torch.bfloat16, weight.data_ptr(), eps, t, h,
+                       out.data_ptr(), out_dtype == torch.bfloat16)
+    return out
+
+
+def add_rmsnorm_ref(residual, add, weight, eps, out_dtype):
+    if add is not None:
+        residual += add
+    return torch.rms_norm(residual, (residual.shape[-1],), weight, eps).to(out_dtype)
+
+
+# --- rope + KV store -----------------------------------------------------------------------------------------
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, loc: torch.Tensor, h: int, kvh: int, d: int) -> torch.Tensor:
+    """qkv [T, (h + 2 kvh) d] (bf16 or fp32, unit stride in the last dim): rotates q and k (rotate-half, by
+    cos_sin [P, d] = cos | sin), writes k and v into the fp32 caches [slots, kvh, d] at `loc`; returns q
+    [T, h, d] fp32."""
+    t = qkv.shape[0]
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    _check(positions, cos_sin, k_cache, v_cache, loc)
+    q = torch.empty(t, h, d, dtype=torch.float32)
+    load().rope_store(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), positions.data_ptr(),
+                      cos_sin.data_ptr(), cos_sin.stride(0), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                      loc.data_ptr(), t, h, kvh, d)
+    return q
+
+
+def rope_store_ref(qkv, positions, cos_sin, k_cache, v_cache, loc, h, kvh, d):
+    t, half = qkv.shape[0], d // 2
+    x = qkv.float()
+    qk = x[:, :(h + kvh) * d].reshape(t, h + kvh, d)
+    cs = cos_sin.index_select(0, positions).unsqueeze(1)
+    cos, sin = cs[..., :half], cs[..., half:]
+    x1, x2 = qk[..., :half], qk[..., half:]
+    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    k_cache.index_copy_(0, loc, rot[:, h:].contiguous())
+    v_cache.index_copy_(0, loc, x[:, (h + kvh) * d:].reshape(t, kvh, d).contiguous())
+    return rot[:, :h].contiguous()
+
+
+# --- decode attention from the paged pool --------------------------------------------------------------------
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """q [B, H, D] fp32 (one token per request), caches [slots, KVH, D] fp32, request b attending to the slots
+    req_to_token[rows[b], :seq_lens[b]] (int32 table, int64 rows and lengths); returns [B, H * D] fp32."""
+    b, h, d = q.shape
+    if q.stride(-1) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    _check(k_cache, v_cache, req_to_token, rows, seq_lens)
+    out = torch.empty(b, h * d, dtype=torch.float32)
+    load().decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                            req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(),
+                            out.data_ptr(), b, h, k_cache.shape[1], d, scale, max_len)
+    return out
+
+
+def decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, seq_lens, max_len, scale):
+    outs = []
+    for i in range(q.shape[0]):
+        slots = req_to_token[rows[i], :seq_lens[i]].long()
+        k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [KVH, L, D]
+        outs.append(F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True))
+    return torch.stack(outs).reshape(q.shape[0], -1)
+
+
+# --- silu(gate) * up -----------------------------------------------------------------------------------------
+def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] bf16 -> silu(gate) * up [T, I] bf16, computed in fp32 and rounded once."""
+    _check(gu)
+    t, i = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(t, i, dtype=torch.bfloat16)
+    load().silu_mul_bf16(gu.data_ptr(), out.data_ptr(), t, i)
+    return out
+
+
+def silu_mul_bf16_ref(gu: torch.Tensor) -> torch.Tensor:
+    g, u = gu.float().chunk(2, -1)
+    return (F.silu(g) * u).to(torch.bfloat16)

@@ -1,0 +1,248 @@
+/* radixlm's CPU kernels: the few steps of a decode where torch's per-op cost (several us per small op) is most
+   of the work on a small model. Built and cached by cpu.py (gcc -O3 -march=native -fopenmp), called through
+   ctypes; each has a torch reference in cpu.py that the tests hold it to.
+
+   Threads: OpenMP, which resolves to the libgomp torch has already loaded (same soname), so one pool serves
+   both. Only q8_gemm and decode_attention are big enough to split; the rest run on the calling thread.
+   bf16 is handled as uint16 bit patterns, rounded to nearest even as torch rounds. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : r; /* NaN stays NaN */
+}
+
+/* exp(x) to ~2 ulp, branch- and call-free so that loops over it vectorize (libm's expf is a scalar call):
+   Cephes' expf polynomial after a Cody-Waite reduction by ln 2; n rounded with the 1.5 * 2^23 trick (no
+   rintf call). x is clamped to [-87, 88], where 2^n stays a normal float. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } s = {.i = ((int32_t)n + 127) << 23};
+    return p * s.f;
+}
+
+/* ---- RMSNorm with the residual add: res += add (bf16 or fp32, or nothing), out = norm(res) * w ---------- */
+void add_rmsnorm(float *res, const void *add, int add_bf16, const float *w, float eps, int64_t T, int64_t H,
+                 void *out, int out_bf16) {
+    for (int64_t t = 0; t < T; t++) {
+        float *r = res + t * H;
+        if (add != NULL && add_bf16) {
+            const uint16_t *a = (const uint16_t *)add + t * H;
+            for (int64_t i = 0; i < H; i++) r[i] += bf16_to_f32(a[i]);
+        } else if (add != NULL) {
+            const float *a = (const float *)add + t * H;
+            for (int64_t i = 0; i < H; i++) r[i] += a[i];
+        }
+        float part[16] = {0}; /* 16 independent lanes: vectorizes without reassociating one sum */
+        int64_t i = 0;
+        for (; i + 16 <= H; i += 16)
+            for (int j = 0; j < 16; j++) part[j] += r[i + j] * r[i + j];
+        float ss = 0.0f;
+        for (; i < H; i++) ss += r[i] * r[i];
+        for (int j = 0; j < 16; j++) ss += part[j];
+        const float rstd = 1.0f / sqrtf(ss / (float)H + eps);
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + t * H;
+            for (int64_t k = 0; k < H; k++) o[k] = f32_to_bf16(r[k] * rstd * w[k]);
+        } else {
+            float *o = (float *)out + t * H;
+            for (int64_t k = 0; k < H; k++) o[k] = r[k] * rstd * w[k];
+        }
+    }
+}
+
+/* ---- rotary (rotate-half) on q and k of a fused qkv row, k and v stored into the pool ---------------------
+   qkv [T, (H + 2 KVH) D] (bf16 or fp32, row stride ld), cos_sin [P, D] fp32 (cos | sin halves, row stride
+   cs_ld), q_out [T, H, D] fp32, caches [slots, KVH, D] fp32, loc [T] the KV slot of each token. */
+void rope_store(const void *qkv, int qkv_bf16, int64_t ld, const int64_t *pos, const float *cos_sin,
+                int64_t cs_ld, float *q_out, float *k_cache, float *v_cache, const int64_t *loc, int64_t T,
+                int64_t H, int64_t KVH, int64_t D) {
+    const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+    float row[width];
+    for (int64_t t = 0; t < T; t++) {
+        if (qkv_bf16) {
+            const uint16_t *src = (const uint16_t *)qkv + t * ld;
+            for (int64_t i = 0; i < width; i++) row[i] = bf16_to_f32(src[i]);
+        } else {
+            memcpy(row, (const float *)qkv + t * ld, width * sizeof(float));
+        }
+        const float *c = cos_sin + pos[t] * cs_ld, *s = c + half;
+        for (int64_t head = 0; head < H + KVH; head++) {
+            const float *x = row + head * D;
+            float *dst = head < H ? q_out + (t * H + head) * D : k_cache + (loc[t] * KVH + head - H) * D;
+            for (int64_t i = 0; i < half; i++) {
+                dst[i] = x[i] * c[i] - x[i + half] * s[i];
+                dst[i + half] = x[i + half] * c[i] + x[i] * s[i];
+            }
+        }
+        memcpy(v_cache + loc[t] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(float));
+    }
+}
+
+/* ---- decode attention straight from the paged pool, one query token per request ---------------------------
+   q [B, H, D] fp32 (row stride q_ld), caches [slots, KVH, D] fp32, req_to_token [rows, r2t_ld] int32, request
+   b's keys are the slots req_to_token[rows[b], :seq_lens[b]]; out [B, H, D] fp32. No padding: each request
+   reads its own length. D % 16 == 0 (checked by the caller). */
+static void attend_one(const float *qh, const float *k_cache, const float *v_cache, const int32_t *slots,
+                       int64_t L, int64_t KVH, int64_t kvh, int64_t D, float scale, float *sc, float *o) {
+    float m = -INFINITY;
+    for (int64_t l = 0; l < L; l++) {
+        const float *k = k_cache + ((int64_t)slots[l] * KVH + kvh) * D;
+        float lanes[16] = {0};
+        for (int64_t d = 0; d < D; d += 16)
+            for (int j = 0; j < 16; j++) lanes[j] += qh[d + j] * k[d + j];
+        float dot = 0.0f;
+        for (int j = 0; j < 16; j++) dot += lanes[j];
+        sc[l] = dot * scale;
+        m = sc[l] > m ? sc[l] : m;
+    }
+    for (int64_t l = 0; l < L; l++) sc[l] = exp_approx(sc[l] - m);
+    float part[16] = {0}, sum = 0.0f; /* lanes, as above: the loops stay vectorized */
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16)
+        for (int j = 0; j < 16; j++) part[j] += sc[l + j];
+    for (; l < L; l++) sum += sc[l];
+    for (int j = 0; j < 16; j++) sum += part[j];
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t l = 0; l < L; l++) {
+        const float *v = v_cache + ((int64_t)slots[l] * KVH + kvh) * D;
+        const float p = sc[l];
+        for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+}
+
+void decode_attention(const float *q, int64_t q_ld, const float *k_cache, const float *v_cache,
+                      const int32_t *req_to_token, int64_t r2t_ld, const int64_t *rows, const int64_t *seq_lens,
+                      float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t max_len) {
+    const int64_t group = H / KVH;
+    /* Threads only when there is enough to split: a fork/join costs about as much as one small head. */
+#pragma omp parallel if (B * H * max_len * D >= (1 << 16))
+    {
+        float *sc = (float *)malloc((size_t)(max_len > 0 ? max_len : 1) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * H; task++) {
+            const int64_t b = task / H, h = task % H;
+            attend_one(q + b * q_ld + h * D, k_cache, v_cache, req_to_token + rows[b] * r2t_ld, seq_lens[b], KVH,
+                       h / group, D, scale, sc, out + (b * H + h) * D);
+        }
+        free(sc);
+    }
+}
+
+/* ---- silu(gate) * up over a fused gate_up output, bf16 in and out, fp32 math rounded once ---------------- */
+void silu_mul_bf16(const uint16_t *restrict gu, uint16_t *restrict out, int64_t T, int64_t I) {
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *restrict g = gu + t * 2 * I, *restrict u = g + I;
+        uint16_t *restrict o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(x / (1.0f + exp_approx(-x)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* ---- x @ W.T for a weight of GGUF Q8_0 blocks, read as they are -----------------------------------------
+   y[m, n] = sum_j (q[n, j] * d[n, j / 32]) * x[m, j]     q: [N, K] int8, d: [N, K/32] fp32, x: [M, K] fp32
+   q * d is exact in fp32 (an int8 times an fp16 scale needs 19 of fp32's 24 bits), and x, the products and
+   the sums stay fp32: the fp32 GEMM over the dequantized weight up to summation order, reading 1.06 bytes
+   per weight instead of 4. torch has no op for per-block int8 scales (its int8 op takes one per row). */
+#ifdef __AVX512F__
+#define MB 16 /* rows of x per pass: 16 accumulators + 2 weight vectors fit in the 32 zmm registers */
+
+/* Rows n0..n1 of W against rows m0..m0+MC of x; MC a constant after inlining, so acc stays in registers. */
+static inline __attribute__((always_inline)) void q8_tile(int MC, const int8_t *q, const float *d,
+                                                          const float *x, float *y, int64_t m0, int64_t n0,
+                                                          int64_t n1, int64_t K, int64_t ldx, int64_t ldy) {
+    const int64_t nb = K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *qr = q + n * K;
+        const float *dr = d + n * nb;
+        const float *xr = x + m0 * ldx;
+        __m512 acc[MB];
+        for (int i = 0; i < MC; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 s = _mm512_set1_ps(dr[b]);
+            const __m128i *qb = (const __m128i *)(qr + 32 * b);
+            const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb))), s);
+            const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qb + 1))), s);
+            for (int i = 0; i < MC; i++) {
+                const float *xb = xr + i * ldx + 32 * b;
+                acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[i]);
+                acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[i]);
+            }
+        }
+        for (int i = 0; i < MC; i++) y[(m0 + i) * ldy + n] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+static void q8_rows(const int8_t *q, const float *d, const float *x, float *y, int64_t M, int64_t n0,
+                    int64_t n1, int64_t K, int64_t ldx, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        switch (M - m0 < MB ? M - m0 : MB) {
+#define CASE(c) case c: q8_tile(c, q, d, x, y, m0, n0, n1, K, ldx, ldy); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+            CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+        }
+    }
+}
+#else
+/* Portable fallback (no AVX-512): the same sums, vectorized by the compiler as it can. */
+static void q8_rows(const int8_t *q, const float *d, const float *x, float *y, int64_t M, int64_t n0,
+                    int64_t n1, int64_t K, int64_t ldx, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < K; j++) acc += (float)q[n * K + j] * d[n * (K / 32) + j / 32] * x[m * ldx + j];
+            y[m * ldy + n] = acc;
+        }
+    }
+}
+#endif
+
+int q8_gemm_avx512(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Rows of W are split across the threads in chunks of 64 (each chunk's q rows stay in L1 across x's rows). */
+void q8_gemm(const int8_t *q, const float *d, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+             int64_t ldx, int64_t ldy) {
+    const int64_t chunks = (N + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * 64, n1 = n0 + 64 < N ? n0 + 64 : N;
+        q8_rows(q, d, x, y, M, n0, n1, K, ldx, ldy);
+    }
+}
