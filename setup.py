@@ -11,5 +11,5 @@ packages: list[str] = []
 for pkg, directory in ROOTS.items():
     packages += [pkg] + [f"{pkg}.{sub}" for sub in find_packages(directory)]
 
-# Non-Python sources compiled at run time (the CPU Q8_0 kernel, built and cached on first use).
-setup(packages=packages, package_dir=ROOTS, package_data={"radixlm.srt.layers.quantization": ["*.c"]})
+# Non-Python sources compiled at run time (the CPU kernels, built and cached on first use).
+setup(packages=packages, package_dir=ROOTS, package_data={"radixlm.kernels": ["*.c"]})

@@ -3,12 +3,16 @@
 A 135M model on a 2-core CPU spends most of a decode step on per-op and per-module overhead, not on
 arithmetic: the module path runs ~70 small torch ops and ~10 nn.Module calls per layer (fp32 <-> bf16 round
 trips around every int4 matmul, an 8-op RMSNorm, a rope that looks up cos/sin per layer). This loop holds the
-layers' tensors directly and runs ~25 ops per layer with the same math:
-- torch.rms_norm (one fused op) and the residual added in place (`residual += o`, bf16 o promoted exactly);
-- rope on q and k together with cos/sin looked up once per forward: x * cos + roll(x, D/2) * [-sin, sin];
-- the int4 linears fed bf16 and their bf16 outputs kept where the next op promotes them anyway.
-Attention still goes through the batch's backend, and logits through the model's head, so the only thing
-that branches on the device is whether the runner turns this path on (`LlamaModel.cpu_path`).
+layers' tensors directly and runs the same math in far fewer calls:
+- with our C kernels (kernels/cpu.py, when a C compiler is there): per layer the four linears (torch's int4
+  op or F.linear) and four C calls: residual add + RMSNorm straight to the linear's bf16 input, rope + KV
+  store from the bf16 qkv output, silu * up in bf16, and the backend's attention (C for decode);
+- with torch ops only: torch.rms_norm, the residual added in place (`residual += o`, bf16 o promoted exactly),
+  rope on q and k together with cos/sin looked up once per forward: x * cos + roll(x, D/2) * [-sin, sin].
+Activations and the residual stay fp32; the int4 linears take bf16 (their op's only fast input) and their
+bf16 outputs are promoted where the next step reads them. Attention goes through the batch's backend and
+logits through the model's head, so the only thing that branches on the device is whether the runner turns
+this path on (`LlamaModel.cpu_path`).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.basic import Linear
 from radixlm.srt.layers.quantization.gguf_int4 import GROUP, Int4Linear
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
@@ -70,6 +75,11 @@ class CpuDecoderPath:
         self.final_norm = model.norm.weight
         self.cos_sin = model.layers[0].self_attn.rotary.cos_sin
         self.lin_dtype = lin_dtype
+        biases = any(lin.bias is not None for layer in model.layers for lin in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        # The C kernels cover the plain Llama layer (no biases, no q/k norm) with 16-lane head sizes.
+        plain = not biases and not cfg.qk_norm and self.d % 16 == 0
+        self.kernels = plain and cpu_kernels.load() is not None
 
     @classmethod
     def build(cls, model, cfg) -> "CpuDecoderPath | None":
@@ -98,6 +108,32 @@ class CpuDecoderPath:
         return torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([-sin, sin], -1).unsqueeze(1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if self.kernels:
+            return self._forward_kernels(input_ids, positions, fb)
+        return self._forward_torch(input_ids, positions, fb)
+
+    def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        ck, h, kvh, d, eps, lin_dtype = cpu_kernels, self.h, self.kvh, self.d, self.eps, self.lin_dtype
+        bf16 = lin_dtype == torch.bfloat16
+        pool, loc, backend = fb.token_to_kv_pool, fb.out_cache_loc, fb.attn_backend
+        residual = self.embed(input_ids).contiguous()  # fresh: summed into in place from here on
+        add = None  # the previous layer's down projection, added to the residual by the next norm
+        for layer in self.layers:
+            x = ck.add_rmsnorm(residual, add, layer.in_norm, eps, lin_dtype)
+            layer_id = layer.attn.layer_id
+            q = ck.rope_store(layer.qkv(x), positions, self.cos_sin, pool.k_buffer[layer_id],
+                              pool.v_buffer[layer_id], loc, h, kvh, d)
+            o = layer.o(backend.forward(q, layer.attn, fb).to(lin_dtype))
+            x = ck.add_rmsnorm(residual, o, layer.post_norm, eps, lin_dtype)
+            gu = layer.gate_up(x)
+            if bf16:
+                act = ck.silu_mul_bf16(gu)
+            else:
+                act = F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
+            add = layer.down(act)
+        return ck.add_rmsnorm(residual, add, self.final_norm, eps, torch.float32)
+
+    def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t = input_ids.shape[0]
         h, kvh, d, eps, dim, inter = self.h, self.kvh, self.d, self.eps, self.dim, self.inter
         qk_size, lin_dtype = self.qk_size, self.lin_dtype

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.srt.layers.quantization import cpu_ext
+from radixlm.kernels import cpu as cpu_ext
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from tests.helpers import forward_logits, make_tiny_checkpoint
 from tests.srt.test_model_correctness import PROMPT_IDS

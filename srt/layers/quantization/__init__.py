@@ -3,7 +3,7 @@
 none: every weight dequantized to the run dtype (the reference path).
 gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit and run through torch's int4 CPU matmul
       (gguf_int4.py); a Q8_0 embedding keeps its 8-bit blocks and dequantizes the rows it looks up
-      (gguf_q8.py); a head tied to it runs on those blocks through our C kernel (q8_gemm.c), else (no C
+      (gguf_q8.py); a head tied to it runs on those blocks through our C kernel (kernels/cpu_kernels.c), else (no C
       compiler, or an untied head) as two bf16 GEMMs (hi + lo parts); the rest is dequantized.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import logging
 import torch
 from torch import nn
 
+from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.basic import Linear
-from radixlm.srt.layers.quantization import cpu_ext
 from radixlm.srt.layers.quantization.gguf_q8 import Q8Linear
 from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, SplitBf16Linear, Q4Blocks
 
@@ -64,7 +64,7 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
     # Shards of a projection whose other shards are not Q4 (mixed-type files) load dequantized.
     model.load_weights(ckpt.weights(dtype, skip=frozenset(skip)), prefilled=frozenset(prefilled))
     head = getattr(model, "lm_head", None)
-    if head is None and table is not None and cpu_ext.load() is not None:
+    if head is None and table is not None and cpu_kernels.load() is not None:
         model.lm_head_quant = Q8Linear(table)  # tied: the embedding's own blocks, read by our kernel
     elif head is None:  # tied to the embedding
         n, k = model.config.vocab_size, model.config.hidden_size

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixlm.kernels.cpu import q8_gemm
+
 GROUP = 32
 _BLOCK_BYTES = 34
 
@@ -45,13 +47,11 @@ class Q8Rows:
 @dataclass
 class Q8Linear:
     """x @ W.T straight from Q8_0 blocks (the tied lm_head shares the embedding's Q8Rows: no second copy) with
-    our C kernel (cpu_ext.py, q8_gemm.c): fp32 activations, exact weights, fp32 sums and output."""
+    our C kernel (kernels/cpu.py q8_gemm): fp32 activations, exact weights, fp32 sums and output."""
 
     rows: Q8Rows
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        from radixlm.srt.layers.quantization.cpu_ext import q8_gemm
-
         shape = x.shape
         y = q8_gemm(self.rows.q, self.rows.d, x.reshape(-1, shape[-1]).float())
         return y.to(x.dtype).view(*shape[:-1], y.shape[-1])

@@ -1,0 +1,103 @@
+"""Our C kernels for CPU decode (kernels/cpu_kernels.c) against their torch references (kernels/cpu.py)."""
+import pytest
+import torch
+
+from radixlm.kernels import cpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu.load() is not None  # CI has gcc: without it the torch paths run and these kernels never do
+
+
+def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _bf16_ulps(ref: torch.Tensor, x: torch.Tensor) -> int:
+    """Largest distance in bf16 steps (same-sign finite values)."""
+    a, b = ref.view(torch.int16).int(), x.view(torch.int16).int()
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 40])
+def test_q8_gemm_matches_fp64(m):
+    g = torch.Generator().manual_seed(m)
+    n, k = 1000, 96  # n not a multiple of the kernel's 64-row chunks
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    d = torch.rand(n, k // 32, generator=g).half().float() / 50  # fp16 scales, as in the file
+    x = torch.randn(m, k + 5, generator=g)[:, 2:k + 2]  # a row stride other than k
+    ref = x.double() @ (q.view(n, -1, 32).double() * d.double().unsqueeze(-1)).view(n, k).T
+    y = cpu.q8_gemm(q, d, x)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert _rel(ref, y) < 1e-6  # fp32 sums of exact products
+    assert _rel(cpu.q8_gemm_ref(q, d, x), y) < 1e-6
+
+
+@pytest.mark.parametrize("add_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_add_rmsnorm(add_dtype, out_dtype):
+    g = torch.Generator().manual_seed(1)
+    t, h = 5, 200  # h not a multiple of the 16 lanes
+    res = torch.randn(t, h, generator=g) * 4
+    add = None if add_dtype is None else torch.randn(t, h, generator=g).to(add_dtype)
+    w = torch.rand(h, generator=g) + 0.5
+    ref_res = res.clone()
+    ref = cpu.add_rmsnorm_ref(ref_res, add, w, 1e-5, out_dtype)
+    out = cpu.add_rmsnorm(res, add, w, 1e-5, out_dtype)
+    assert torch.equal(res, ref_res)  # the residual sum is exact either way
+    assert out.dtype == out_dtype
+    if out_dtype == torch.bfloat16:
+        assert _bf16_ulps(ref, out) <= 1  # fp32 sums in another order may round the other way
+    else:
+        assert _rel(ref, out) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_store(dtype):
+    g = torch.Generator().manual_seed(2)
+    t, h, kvh, d = 4, 6, 2, 32
+    qkv = torch.randn(t, (h + 2 * kvh) * d + 7, generator=g)[:, :(h + 2 * kvh) * d].to(dtype)  # strided rows
+    positions = torch.tensor([0, 5, 17, 3])
+    freqs = torch.outer(torch.arange(64).float(), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    loc = torch.tensor([3, 9, 1, 12])
+    caches = [torch.zeros(16, kvh, d) for _ in range(4)]
+    q = cpu.rope_store(qkv, positions, cos_sin, caches[0], caches[1], loc, h, kvh, d)
+    q_ref = cpu.rope_store_ref(qkv, positions, cos_sin, caches[2], caches[3], loc, h, kvh, d)
+    assert (q - q_ref).abs().max().item() < 1e-5
+    assert (caches[0] - caches[2]).abs().max().item() < 1e-5
+    assert torch.equal(caches[1], caches[3])  # v is copied
+    assert caches[0][0].abs().sum() == 0  # only the slots in `loc` are written
+
+
+def test_decode_attention_ragged():
+    g = torch.Generator().manual_seed(3)
+    h, kvh, d, slots = 9, 3, 64, 300
+    k_cache, v_cache = torch.randn(slots, kvh, d, generator=g), torch.randn(slots, kvh, d, generator=g)
+    req_to_token = torch.zeros(8, 128, dtype=torch.int32)
+    lens = [65, 1, 120, 17]
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    rows = torch.tensor([5, 0, 2, 7])
+    start = 0
+    for row, n in zip(rows.tolist(), lens):
+        req_to_token[row, :n] = perm[start:start + n].int()
+        start += n
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(4, h, d, generator=g) * 2
+    out = cpu.decode_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, max(lens), d**-0.5)
+    ref = cpu.decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, seq_lens, max(lens), d**-0.5)
+    assert out.shape == (4, h * d)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_silu_mul_bf16():
+    g = torch.Generator().manual_seed(4)
+    gu = (torch.randn(3, 2 * 1536, generator=g) * 6).to(torch.bfloat16)
+    gu[0, :8] = torch.tensor([-100.0, -90.0, -30.0, 0.0, 30.0, 90.0, 1e-30, -1e-30])  # clamps, tiny values
+    out, ref = cpu.silu_mul_bf16(gu), cpu.silu_mul_bf16_ref(gu)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 1536)
+    # exp is clamped at 88: silu(-100) comes out ~1e-36 where torch gives 0; elsewhere within a bf16 step
+    normal = ref.float().abs() > 1e-30
+    assert _bf16_ulps(ref[normal], out[normal]) <= 1
+    assert (out.float() - ref.float())[~normal].abs().max().item() < 1e-30
