@@ -87,7 +87,7 @@ def load() -> ctypes.CDLL | None:
 
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        if not t.is_contiguous() or t.device.type != "cpu":
+        if not (t.is_cpu and t.is_contiguous()):
             raise ValueError(f"expected a contiguous CPU tensor, got {tuple(t.shape)} strides {t.stride()}")
 
 

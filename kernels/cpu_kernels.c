@@ -108,9 +108,61 @@ void rope_store(const void *qkv, int qkv_bf16, int64_t ld, const int64_t *pos, c
 /* ---- decode attention straight from the paged pool, one query token per request ---------------------------
    q [B, H, D] fp32 (row stride q_ld), caches [slots, KVH, D] fp32, req_to_token [rows, r2t_ld] int32, request
    b's keys are the slots req_to_token[rows[b], :seq_lens[b]]; out [B, H, D] fp32. No padding: each request
-   reads its own length. D % 16 == 0 (checked by the caller). */
-static void attend_one(const float *qh, const float *k_cache, const float *v_cache, const int32_t *slots,
-                       int64_t L, int64_t KVH, int64_t kvh, int64_t D, float scale, float *sc, float *o) {
+   reads its own length. D % 16 == 0 (checked by the caller). One task per (request, kv head): the group's
+   query heads run one after another, so the kv head's rows come from L1/L2 after the first. */
+
+/* softmax of sc[0..L) in place (unnormalized: exp(s - max)); returns the sum */
+static float softmax_unnorm(float *sc, int64_t L, float m) {
+    for (int64_t l = 0; l < L; l++) sc[l] = exp_approx(sc[l] - m);
+    float part[16] = {0}, sum = 0.0f; /* 16 independent lanes: vectorizes without reassociating one sum */
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16)
+        for (int j = 0; j < 16; j++) part[j] += sc[l + j];
+    for (; l < L; l++) sum += sc[l];
+    for (int j = 0; j < 16; j++) sum += part[j];
+    return sum;
+}
+
+#ifdef __AVX512F__
+#define ND_MAX 16 /* head_dim <= 256 */
+/* One query head; ND = D / 16 a constant after inlining, so q and the output stay in registers. */
+static inline __attribute__((always_inline)) void attend_head(int ND, const float *qh, const float *k_cache,
+                                                              const float *v_cache, const int32_t *slots,
+                                                              int64_t L, int64_t KVH, int64_t kvh, float scale,
+                                                              float *sc, float *o) {
+    const int64_t D = 16 * ND;
+    __m512 qv[ND_MAX], ov[ND_MAX];
+    for (int c = 0; c < ND; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c);
+    float m = -INFINITY;
+    for (int64_t l = 0; l < L; l++) {
+        const float *k = k_cache + ((int64_t)slots[l] * KVH + kvh) * D;
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < ND; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+        sc[l] = _mm512_reduce_add_ps(acc) * scale;
+        m = sc[l] > m ? sc[l] : m;
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / softmax_unnorm(sc, L, m));
+    for (int c = 0; c < ND; c++) ov[c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; l++) {
+        const float *v = v_cache + ((int64_t)slots[l] * KVH + kvh) * D;
+        const __m512 p = _mm512_set1_ps(sc[l]);
+        for (int c = 0; c < ND; c++) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), ov[c]);
+    }
+    for (int c = 0; c < ND; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(ov[c], inv));
+}
+
+static void attend(const float *qh, const float *k_cache, const float *v_cache, const int32_t *slots, int64_t L,
+                   int64_t KVH, int64_t kvh, int64_t D, float scale, float *sc, float *o) {
+    switch (D / 16) {
+#define CASE(c) case c: attend_head(c, qh, k_cache, v_cache, slots, L, KVH, kvh, scale, sc, o); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+    }
+}
+#else
+static void attend(const float *qh, const float *k_cache, const float *v_cache, const int32_t *slots, int64_t L,
+                   int64_t KVH, int64_t kvh, int64_t D, float scale, float *sc, float *o) {
     float m = -INFINITY;
     for (int64_t l = 0; l < L; l++) {
         const float *k = k_cache + ((int64_t)slots[l] * KVH + kvh) * D;
@@ -122,36 +174,31 @@ static void attend_one(const float *qh, const float *k_cache, const float *v_cac
         sc[l] = dot * scale;
         m = sc[l] > m ? sc[l] : m;
     }
-    for (int64_t l = 0; l < L; l++) sc[l] = exp_approx(sc[l] - m);
-    float part[16] = {0}, sum = 0.0f; /* lanes, as above: the loops stay vectorized */
-    int64_t l = 0;
-    for (; l + 16 <= L; l += 16)
-        for (int j = 0; j < 16; j++) part[j] += sc[l + j];
-    for (; l < L; l++) sum += sc[l];
-    for (int j = 0; j < 16; j++) sum += part[j];
+    const float inv = 1.0f / softmax_unnorm(sc, L, m);
     for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
     for (int64_t l = 0; l < L; l++) {
         const float *v = v_cache + ((int64_t)slots[l] * KVH + kvh) * D;
-        const float p = sc[l];
-        for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+        for (int64_t d = 0; d < D; d++) o[d] += sc[l] * v[d];
     }
-    const float inv = 1.0f / sum;
     for (int64_t d = 0; d < D; d++) o[d] *= inv;
 }
+#endif
 
 void decode_attention(const float *q, int64_t q_ld, const float *k_cache, const float *v_cache,
                       const int32_t *req_to_token, int64_t r2t_ld, const int64_t *rows, const int64_t *seq_lens,
                       float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale, int64_t max_len) {
     const int64_t group = H / KVH;
-    /* Threads only when there is enough to split: a fork/join costs about as much as one small head. */
-#pragma omp parallel if (B * H * max_len * D >= (1 << 16))
+    /* Threads only when there is enough to split: a fork/join costs about as much as one short request. */
+#pragma omp parallel if (B * H * max_len * D >= (1 << 17))
     {
         float *sc = (float *)malloc((size_t)(max_len > 0 ? max_len : 1) * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < B * H; task++) {
-            const int64_t b = task / H, h = task % H;
-            attend_one(q + b * q_ld + h * D, k_cache, v_cache, req_to_token + rows[b] * r2t_ld, seq_lens[b], KVH,
-                       h / group, D, scale, sc, out + (b * H + h) * D);
+        for (int64_t task = 0; task < B * KVH; task++) {
+            const int64_t b = task / KVH, kvh = task % KVH;
+            const int32_t *slots = req_to_token + rows[b] * r2t_ld;
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+                attend(q + b * q_ld + h * D, k_cache, v_cache, slots, seq_lens[b], KVH, kvh, D, scale, sc,
+                       out + (b * H + h) * D);
         }
         free(sc);
     }
