@@ -44,23 +44,9 @@ def pdl_enabled(device) -> bool:
 
 
 def pdl_args(device) -> dict:
-    """Launch arguments for a kernel with a `USE_PDL` constexpr that, when set, calls `pdl_prologue` (or waits
-    itself) before it touches anything the kernels before it write."""
+    """Launch arguments for a kernel with a `USE_PDL` constexpr that, when set, waits (`gdc_wait`) before it
+    reads anything the kernels before it write."""
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 
-if gdc_wait is not None:
-    @triton.jit
-    def pdl_prologue(USE_PDL: tl.constexpr):
-        """Let the next kernel launch now (it waits for our output before reading it), then wait for the
-        kernels before this one: every read and write of this kernel comes after."""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
-else:
-    @triton.jit
-    def pdl_prologue(USE_PDL: tl.constexpr):
-        pass
-
-
-__all__ = ["triton", "tl", "gdc_launch_dependents", "gdc_wait", "pdl_enabled", "pdl_args", "pdl_prologue"]
+__all__ = ["triton", "tl", "gdc_launch_dependents", "gdc_wait", "pdl_enabled", "pdl_args"]

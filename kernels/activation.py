@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels._triton import pdl_args, pdl_prologue, tl, triton
+from radixlm.kernels._triton import tl, triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -13,8 +13,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -32,5 +31,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         block = 1024
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
-                                                                  BLOCK=block, num_warps=4, **pdl_args(x.device))
+                                                                  BLOCK=block, num_warps=4)
     return out

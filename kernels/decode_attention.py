@@ -13,7 +13,7 @@ import math
 import torch
 
 from radixlm.kernels import INTERPRET, dot_precision, next_pow2
-from radixlm.kernels._triton import pdl_args, pdl_prologue, tl, triton
+from radixlm.kernels._triton import tl, triton
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -42,8 +42,7 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                    qk_scale, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -96,8 +95,7 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
 @triton.jit
 def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                    stride_ob, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+                   BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -137,9 +135,9 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         mid_lse.stride(1), sm_scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
         DOT_PREC=dot_precision(q.dtype),
-        num_warps=4, num_stages=2, **pdl_args(q.device))
+        num_warps=4, num_stages=2)
     _decode_stage2[(b, h)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d, BLOCK_D=block_d,
-        BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4, **pdl_args(q.device))
+        BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels import next_pow2
-from radixlm.kernels._triton import pdl_args, pdl_prologue, tl, triton
+from radixlm.kernels._triton import tl, triton
 
 
 # --- torch reference -----------------------------------------------------------------------------------------
@@ -70,8 +70,7 @@ def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_
                        stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs, stride_vch,
                        n_heads, n_kv_heads, eps,
                        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_KVH: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+                       BLOCK_KVH: tl.constexpr, HAS_NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -118,5 +117,5 @@ def rope_and_store(positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_we
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         h, kvh, eps, HALF=d // 2, BLOCK_HALF=next_pow2(d // 2), BLOCK_H=next_pow2(h), BLOCK_KVH=next_pow2(kvh),
-        HAS_NORM=has_norm, num_warps=4, **pdl_args(q.device))
+        HAS_NORM=has_norm, num_warps=4)
     return q_out
