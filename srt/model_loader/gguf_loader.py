@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,12 +55,64 @@ def _reader_class():
     return gguf, PlainArrayReader
 
 
+@dataclass
+class GGUFTensor:
+    """What we read of one tensor (the attributes of gguf's ReaderTensor that we use)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: innermost dimension first
+    data: np.ndarray  # a view of the file's mapping: raw blocks (uint8) for quantized types
+
+
+_ARRAY_FIELDS_KEPT = 64  # longer array fields (the vocabulary, the merges) are kept as their length only
+
+
+def _read_header(path: Path, gguf, reader_cls) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """(metadata fields, tensors) of a GGUF file. gguf's reader parses every metadata field in Python, the
+    ~100k strings of the vocabulary and merges included (~1 s of a ~2 s load for the embedded model), which
+    we never read (the tokenizer comes from its own cached directory). So the first read of a file keeps what
+    we use as JSON in the cache, keyed by the file's path, size and mtime, and later loads map the tensors
+    straight from their recorded offsets."""
+    from importlib.metadata import version  # noqa: PLC0415
+
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{version('gguf')}".encode()).hexdigest()
+    cached = cache_dir() / "gguf-headers" / f"{key[:16]}.json"
+    if cached.is_file():
+        head = json.loads(cached.read_text())
+        mm = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+        tensors = [GGUFTensor(name, gguf.GGMLQuantizationType(kind), tuple(shape),
+                              mm[offset:offset + nbytes].view(np.dtype(dtype)).reshape(rows))
+                   for name, kind, shape, offset, nbytes, dtype, rows in head["tensors"]]
+        return head["fields"], tensors
+    reader = reader_cls(path)
+    fields: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if len(field.data) <= _ARRAY_FIELDS_KEPT or field.types[0] != gguf.GGUFValueType.ARRAY:
+            fields[name] = field.contents()
+        fields[f"{name}.__len__"] = len(field.data)
+    tensors = [GGUFTensor(t.name, t.tensor_type, tuple(int(v) for v in t.shape), t.data) for t in reader.tensors]
+    if reader.byte_order == "I":  # a file in our byte order: its tensors can be mapped as they are
+        rows = [[t.name, int(t.tensor_type), [int(v) for v in t.shape], int(t.data_offset), int(t.data.nbytes),
+                 t.data.dtype.str, list(t.data.shape)] for t in reader.tensors]
+        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"fields": fields, "tensors": rows}))
+            os.replace(tmp, cached)
+        except (OSError, TypeError, ValueError) as e:  # a read-only cache or an odd field: just parse next time
+            logger.info("GGUF header not cached (%s)", e)
+            tmp.unlink(missing_ok=True)
+    return fields, tensors
+
+
 class GGUFCheckpoint:
     def __init__(self, path: str | os.PathLike):
         gguf, reader_cls = _reader_class()
         self.path = Path(path)
         try:
-            self.reader = reader_cls(self.path)
+            self.fields, self.tensors = _read_header(self.path, gguf, reader_cls)
         except Exception as e:  # the gguf package raises bare ValueErrors for bad files
             raise ModelLoadError(f"cannot read GGUF file {self.path}: {e}", param="model_path") from e
         self.gguf = gguf
@@ -67,22 +121,21 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHES)}",
                                  param="model_path")
         self.arch = arch
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for t in self.tensors}
         if "rope_freqs.weight" in names:
             raise ModelLoadError("GGUF files with rope_freqs (Llama-3 rope scaling) are not supported yet; "
                                  "load the HF checkpoint instead", param="model_path")
         self.config = self._build_config(names)
 
     def _field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.fields.get(key, default)
 
     def _build_config(self, names: set[str]) -> ModelConfig:
         a = self.arch
         heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
         head_dim = self._field(f"{a}.attention.key_length") or hidden // heads
-        vocab = self._field(f"{a}.vocab_size") or len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = self._field(f"{a}.vocab_size") or self.fields["tokenizer.ggml.tokens.__len__"]
         scaling_type = self._field(f"{a}.rope.scaling.type")
         scaling = None
         if scaling_type and scaling_type != "none":
@@ -111,7 +164,7 @@ class GGUFCheckpoint:
 
     def weights(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`; HF names in `skip` are left out."""
-        for t in tqdm(self.reader.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
+        for t in tqdm(self.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
             name = _hf_name(t.name)
             if name is None:
                 logger.warning("skipping unknown GGUF tensor %s", t.name)
@@ -126,7 +179,7 @@ class GGUFCheckpoint:
         from radixlm.srt.layers.quantization.gguf_int4 import Q4Blocks  # noqa: PLC0415
 
         q4 = {self.gguf.GGMLQuantizationType.Q4_0: "Q4_0", self.gguf.GGMLQuantizationType.Q4_1: "Q4_1"}
-        for t in self.reader.tensors:
+        for t in self.tensors:
             name = _hf_name(t.name)
             kind = q4.get(t.tensor_type)
             if name is None or kind is None or len(t.shape) != 2:
@@ -139,7 +192,7 @@ class GGUFCheckpoint:
         """token_embd still quantized when it is Q8_0 (it is in the embedded SmolLM2), else None."""
         from radixlm.srt.layers.quantization.gguf_q8 import Q8Rows  # noqa: PLC0415
 
-        t = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        t = next((t for t in self.tensors if t.name == "token_embd.weight"), None)
         if t is None or t.tensor_type != self.gguf.GGMLQuantizationType.Q8_0:
             return None
         k, n = (int(v) for v in t.shape)

@@ -131,3 +131,19 @@ def test_gguf_quantization_needs_a_gguf_checkpoint_on_cpu(tmp_path):
     ckpt = GGUFCheckpoint(default_model_path())
     with pytest.raises(ModelLoadError, match="only the cpu device"):
         _check_quantization("gguf", ckpt, torch.device("cuda"), "auto")
+
+
+def test_gguf_header_cache_reads_what_the_parser_does(tmp_path, monkeypatch):
+    """The first read of a file parses it with gguf's reader and keeps the header as JSON; a second read maps
+    the tensors from that JSON: the same config, fields and tensor bytes."""
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    parsed = GGUFCheckpoint(default_model_path())
+    assert len(list((tmp_path / "gguf-headers").glob("*.json"))) == 1
+    cached = GGUFCheckpoint(default_model_path())
+    assert cached.config == parsed.config and cached.fields == parsed.fields
+    assert cached.fields["tokenizer.ggml.tokens.__len__"] == 49152
+    assert "tokenizer.ggml.tokens" not in cached.fields  # the vocabulary is not kept, only its length
+    assert [(t.name, t.tensor_type, t.shape) for t in cached.tensors] == \
+        [(t.name, t.tensor_type, t.shape) for t in parsed.tensors]
+    for a, b in zip(cached.tensors, parsed.tensors):
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
