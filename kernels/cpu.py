@@ -44,35 +44,41 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(cc: str, out: Path) -> None:
+def _build(cc: str, flags: list[str], out: Path) -> None:
     tmp = tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False)
     tmp.close()
     try:
-        subprocess.run([cc, *_FLAGS, "-o", tmp.name, str(_SOURCE), "-lm"], check=True, capture_output=True,
-                       text=True)
+        subprocess.run([cc, *flags, "-o", tmp.name, str(_SOURCE), "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp.name, out)  # atomic: processes building at once each install a whole file
     finally:
         if os.path.exists(tmp.name):
             os.unlink(tmp.name)
 
 
-@lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The compiled library (built on first use), or None where no C compiler works."""
+    return build_variant(())
+
+
+@lru_cache(maxsize=None)
+def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library built with `extra_flags` after ours (tests build a `-mno-avx512f` one to run the portable
+    code paths on this machine too)."""
     from radixlm.srt.model_loader.default_model import cache_dir
 
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         logger.info("no C compiler: CPU decode runs on torch ops only")
         return None
+    flags = _FLAGS + list(extra_flags)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
+        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()
                              + _cpu_flags().encode()).hexdigest()[:16]
         out = cache_dir() / "ext" / f"cpu_kernels-{key}.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-            _build(cc, out)
+            _build(cc, flags, out)
             logger.info("built %s", out)
         lib = ctypes.CDLL(str(out))
     except (OSError, subprocess.CalledProcessError) as e:
@@ -82,6 +88,7 @@ def load() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.q8_gemm_avx512.restype = ctypes.c_int
     return lib
 
 

@@ -5,9 +5,20 @@ import torch
 from radixlm.kernels import cpu
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built():
+@pytest.fixture(scope="module", autouse=True, params=["native", "portable"])
+def built(request):
+    """Every test against the library as shipped (AVX-512 here) and against a build without AVX-512, whose
+    portable code paths machines without it run."""
     assert cpu.load() is not None  # CI has gcc: without it the torch paths run and these kernels never do
+    if request.param == "native":
+        yield
+        return
+    lib = cpu.build_variant(("-mno-avx512f",))
+    assert lib.q8_gemm_avx512() == 0
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cpu, "load", lambda: lib)
+    yield
+    mp.undo()
 
 
 def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
