@@ -19,13 +19,15 @@ import gc
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from radixlm.srt.managers.step_trace import ProcessTrace
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the client runs beside any server
+from radixlm.srt.managers.step_trace import ProcessTrace  # noqa: E402
 
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "government company number group problem fact river mountain ocean forest city garden window table "

@@ -29,7 +29,7 @@ if [ "$ENGINE" = vllm ]; then
     VERSION=$(vllm_env python -c "import vllm; print(vllm.__version__)" 2> /dev/null) || { echo "vllm not importable"; exit 1; }
     FLAGS="--load-format dummy --dtype bfloat16 --tokenizer $TOK --served-model-name llama-8b-dummy --port $PORT
            --gpu-memory-utilization $MEM --max-model-len $CTX --no-enable-flashinfer-autotune
-           --structured-outputs-config {\"disable_any_whitespace\":true}"
+           --structured-outputs-config {\"backend\":\"xgrammar\",\"disable_any_whitespace\":true}"
     start_server() { vllm_env python -m vllm.entrypoints.cli.main serve $CFG $FLAGS > "$DEST/vllm_server.log" 2>&1 & }
 else
     VERSION=$(git rev-parse --short HEAD 2> /dev/null || echo unknown)
