@@ -16,9 +16,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,7 @@ _SIGNATURES = {
     "rope_store": [_ptr, _int, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr] + [_i64] * 4,
     "decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr] + [_i64] * 4 + [_f32, _i64],
     "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
+    "q4_gemm": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
 }
 
 
@@ -89,6 +92,7 @@ def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.q8_gemm_avx512.restype = ctypes.c_int
+    lib.q4_gemm_available.restype = ctypes.c_int
     return lib
 
 
@@ -202,3 +206,55 @@ def silu_mul_bf16(gu: torch.Tensor) -> torch.Tensor:
 def silu_mul_bf16_ref(gu: torch.Tensor) -> torch.Tensor:
     g, u = gu.float().chunk(2, -1)
     return (F.silu(g) * u).to(torch.bfloat16)
+
+
+# --- x @ W.T on Q4_0 / Q4_1 blocks (AVX-512 BF16) --------------------------------------------------------------
+def q4_available() -> bool:
+    """Whether this CPU and compiler gave the library its Q4 kernel (AVX-512 BF16 dot products)."""
+    lib = load()
+    return lib is not None and bool(lib.q4_gemm_available())
+
+
+def q4_pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nibbles q [N, K] (uint8, 0..15) and per-32 scales d, m [N, K/32] into the kernel's layout: output rows
+    in tiles of 16 (the vector lanes), k in pairs (one bf16 dot product step). d and m go to fp16, which holds
+    GGUF's fp16 values (and Q4_0's m = -8 d) exactly."""
+    n, k = q.shape
+    if n % 16 or k % 32:
+        raise ValueError(f"the Q4 kernel needs N % 16 == 0 and K % 32 == 0, got {n}x{k}")
+    t = q.reshape(n // 16, 16, k // 32, 16, 2).transpose(0, 2, 3, 1, 4)  # tile, block, pair, lane, k in pair
+    qs = np.ascontiguousarray(t[..., 0] | (t[..., 1] << 4))
+    dm = np.stack([a.reshape(n // 16, 16, k // 32).transpose(0, 2, 1) for a in (d, m)], axis=2)
+    return torch.from_numpy(qs), torch.from_numpy(np.ascontiguousarray(dm.astype(np.float16)))
+
+
+_scratch = threading.local()  # per thread: the bf16 copy of x and its block sums, reused across calls
+
+
+def _q4_scratch(floats: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _scratch.buf = torch.empty(max(floats, 1 << 16), dtype=torch.float32)
+    return buf
+
+
+def q4_gemm(qs: torch.Tensor, dm: torch.Tensor, x: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T -> [M, N] fp32 for W packed by q4_pack (x is rounded to bf16 inside)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
+    pairs = rows * (k // 2)
+    buf = _q4_scratch(pairs + rows * (k // 32))
+    y = torch.empty(rows, n, dtype=torch.float32)
+    ptr = buf.data_ptr()
+    load().q4_gemm(qs.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), ptr, ptr + 4 * pairs, y.data_ptr(), rows,
+                   n, k)
+    return y
+
+
+def q4_gemm_ref(q: np.ndarray, d: np.ndarray, m: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """The same product in fp64 over the dequantized weight, x rounded to bf16 as the kernel takes it."""
+    n, k = q.shape
+    w = q.reshape(n, k // 32, 32).astype(np.float64) * d.astype(np.float16)[..., None] \
+        + m.astype(np.float16)[..., None]
+    return x.bfloat16().double() @ torch.from_numpy(w.reshape(n, k)).T

@@ -293,3 +293,93 @@ void q8_gemm(const int8_t *q, const float *d, const float *x, float *y, int64_t 
         q8_rows(q, d, x, y, M, n0, n1, K, ldx, ldy);
     }
 }
+
+/* ---- x @ W.T for GGUF Q4_0/Q4_1 weights on AVX-512 BF16 dot products -------------------------------------
+   w[n, k] = d[n, b] * q[n, k] + m[n, b] (b = k / 32, q in 0..15; Q4_0 has m = -8 d), so
+   y[m, n] = sum_b d[n, b] * sum_{k in b} q[n, k] x[m, k] + m[n, b] * sum_{k in b} x[m, k].
+   x is rounded to bf16 (as torch's int4 op takes it); the nibbles are exact in bf16 and d, m stay fp16
+   (exact, as in the file), every sum fp32. Output rows run in the vector lanes: one vdpbf16ps multiplies 16
+   rows by a pair of k, so a block's scales are applied once per 32 k.
+   Layout (q4_pack in cpu.py): qs [N/16][K/32][16 pairs][16 lanes] bytes, pair p of lane i holding
+   q[16t + i, 32b + 2p] (low nibble) and q[.., 32b + 2p + 1] (high); dm [N/16][K/32][2][16] fp16 (d, then m).
+   xp: [M, K/2] bf16 pairs of x, xs [M, K/32] the blocks' sums of those bf16 values (q4_prepare_x). */
+/* x [M, K] fp32 -> bf16 pairs xp [M, K/2] and per-32 sums xs [M, K/32] of the rounded values. */
+static void q4_prepare_x(const float *x, int64_t ldx, uint32_t *xp, float *xs, int64_t M, int64_t K) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        uint16_t *h = (uint16_t *)(xp + r * (K / 2));
+        for (int64_t k = 0; k < K; k++) h[k] = f32_to_bf16(xr[k]);
+        for (int64_t b = 0; b < K / 32; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += bf16_to_f32(h[b * 32 + j]);
+            xs[r * (K / 32) + b] = s;
+        }
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define Q4_MT 8 /* rows of x per pass: 8 block sums + 8 totals + the weights fit the 32 registers */
+
+static inline __attribute__((always_inline)) void q4_tile(int MC, const uint8_t *qs, const uint16_t *dm,
+                                                          const uint32_t *xp, const float *xs, float *y,
+                                                          int64_t m0, int64_t t, int64_t nb, int64_t K, int64_t N,
+                                                          __m512i table) {
+    __m512 total[Q4_MT], blk[Q4_MT];
+    for (int i = 0; i < MC; i++) total[i] = _mm512_setzero_ps();
+    const uint8_t *q = qs + t * nb * 256;
+    const uint16_t *sc = dm + t * nb * 32;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int i = 0; i < MC; i++) blk[i] = _mm512_setzero_ps();
+        for (int p = 0; p < 16; p++) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (b * 16 + p) * 16)));
+            const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)),
+                                                _mm512_and_si512(_mm512_slli_epi32(v, 12),
+                                                                 _mm512_set1_epi32(0x000F0000)));
+            const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+            for (int i = 0; i < MC; i++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[(m0 + i) * (K / 2) + b * 16 + p]);
+                blk[i] = _mm512_dpbf16_ps(blk[i], w, xv);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + b * 32)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + b * 32 + 16)));
+        for (int i = 0; i < MC; i++) {
+            total[i] = _mm512_fmadd_ps(blk[i], d, total[i]);
+            total[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(m0 + i) * nb + b]), total[i]);
+        }
+    }
+    for (int i = 0; i < MC; i++) _mm512_storeu_ps(y + (m0 + i) * N + t * 16, total[i]);
+}
+
+int q4_gemm_available(void) { return 1; }
+
+/* xp, xs: scratch of M * K/2 uint32 and M * K/32 floats, filled here from x (row stride ldx). */
+void q4_gemm(const uint8_t *qs, const uint16_t *dm, const float *x, int64_t ldx, uint32_t *xp, float *xs, float *y,
+             int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / 32;
+    q4_prepare_x(x, ldx, xp, xs, M, K);
+    __m512i table = _mm512_setzero_si512(); /* bf16 of 0..15 in words 0..15 */
+    uint16_t tab[32] = {0};
+    for (int v = 0; v < 16; v++) tab[v] = f32_to_bf16((float)v);
+    table = _mm512_loadu_si512(tab);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N / 16; t++) {
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_MT) {
+            switch (M - m0 < Q4_MT ? M - m0 : Q4_MT) {
+#define CASE(c) case c: q4_tile(c, qs, dm, xp, xs, y, m0, t, nb, K, N, table); break;
+                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+            }
+        }
+    }
+}
+#else
+int q4_gemm_available(void) { return 0; }
+
+void q4_gemm(const uint8_t *qs, const uint16_t *dm, const float *x, int64_t ldx, uint32_t *xp, float *xs, float *y,
+             int64_t M, int64_t N, int64_t K) {
+    /* callers check q4_gemm_available() first */
+    (void)qs, (void)dm, (void)x, (void)ldx, (void)xp, (void)xs, (void)y, (void)M, (void)N, (void)K;
+}
+#endif
+

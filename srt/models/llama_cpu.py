@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.basic import Linear
-from radixlm.srt.layers.quantization.gguf_int4 import GROUP, Int4Linear
+from radixlm.srt.layers.quantization.gguf_int4 import GROUP, Int4Linear, Q4DotLinear
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -33,6 +33,11 @@ _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 def _matmul(linear: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """x @ W.T (+ bias) for x already in the linear's input dtype (bf16 for int4, else the weight's)."""
     q, b = linear.quant, linear.bias
+    if isinstance(q, Q4DotLinear):
+        qs, dm, n, k = q.qs, q.dm, q.out_features, q.in_features
+        if b is None:
+            return lambda x: cpu_kernels.q4_gemm(qs, dm, x, n, k)
+        return lambda x: cpu_kernels.q4_gemm(qs, dm, x, n, k) + b
     if isinstance(q, Int4Linear):
         packed, sz = q.packed, q.scales_zeros
         if b is None:
@@ -46,6 +51,8 @@ def _input_dtype(linear: Linear) -> torch.dtype | None:
     """The dtype this path feeds a linear; None: a form it does not run (the module path is used)."""
     if isinstance(linear.quant, Int4Linear):
         return torch.bfloat16  # the op's only vectorized input dtype
+    if isinstance(linear.quant, Q4DotLinear):
+        return torch.float32  # our kernel rounds x to bf16 itself
     return linear.weight.dtype if linear.quant is None else None
 
 

@@ -11,13 +11,13 @@ def built(request):
     portable code paths machines without it run."""
     assert cpu.load() is not None  # CI has gcc: without it the torch paths run and these kernels never do
     if request.param == "native":
-        yield
+        yield request.param
         return
     lib = cpu.build_variant(("-mno-avx512f",))
     assert lib.q8_gemm_avx512() == 0
     mp = pytest.MonkeyPatch()
     mp.setattr(cpu, "load", lambda: lib)
-    yield
+    yield request.param
     mp.undo()
 
 
@@ -112,3 +112,24 @@ def test_silu_mul_bf16():
     normal = ref.float().abs() > 1e-30
     assert _bf16_ulps(ref[normal], out[normal]) <= 1
     assert (out.float() - ref.float())[~normal].abs().max().item() < 1e-30
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 40])
+def test_q4_gemm_matches_fp64(m, built):
+    """Against fp64 over the dequantized weight with x rounded to bf16 (as the kernel takes it). The portable
+    build has no Q4 kernel (it needs AVX-512 BF16): it must say so, since the loader then uses torch's op."""
+    import numpy as np
+
+    if not cpu.q4_available():
+        assert built == "portable"
+        return
+    rng = np.random.default_rng(m)
+    n, k = 48, 96  # three 16-row tiles, three blocks
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    d = (rng.random((n, k // 32)) / 50).astype(np.float16).astype(np.float32)
+    mins = (-rng.random((n, k // 32)) / 10).astype(np.float16).astype(np.float32)
+    qs, dm = cpu.q4_pack(q, d, mins)
+    x = torch.randn(m, k + 3)[:, 1:k + 1]  # a row stride other than k
+    y = cpu.q4_gemm(qs, dm, x, n, k)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert _rel(cpu.q4_gemm_ref(q, d, mins, x), y) < 1e-6

@@ -1,10 +1,11 @@
 """Weights kept quantized in memory (`--quantization`, names as in SGLang).
 
 none: every weight dequantized to the run dtype (the reference path).
-gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit and run through torch's int4 CPU matmul
-      (gguf_int4.py); a Q8_0 embedding keeps its 8-bit blocks and dequantizes the rows it looks up
-      (gguf_q8.py); a head tied to it runs on those blocks through our C kernel (kernels/cpu_kernels.c), else (no C
-      compiler, or an untied head) as two bf16 GEMMs (hi + lo parts); the rest is dequantized.
+gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit (gguf_int4.py) and run through our C kernel
+      on AVX-512 BF16 (kernels/cpu_kernels.c), else torch's int4 CPU matmul; a Q8_0 embedding keeps its
+      8-bit blocks and dequantizes the rows it looks up (gguf_q8.py); a head tied to it runs on those blocks
+      through our C kernel, else (no C compiler, or an untied head) as two bf16 GEMMs (hi + lo parts); the
+      rest is dequantized.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.basic import Linear
 from radixlm.srt.layers.quantization.gguf_q8 import Q8Linear
-from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, SplitBf16Linear, Q4Blocks
+from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, Q4Blocks, Q4DotLinear, SplitBf16Linear
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
     prefilled: set[str] = set()  # our parameter names already filled
     names: dict[str, list[str]] = {}
     packed_bytes = 0
+    # Our kernel where the CPU has AVX-512 BF16 (faster at every batch size measured), else torch's int4 op.
+    q4_class = Q4DotLinear if cpu_kernels.q4_available() else Int4Linear
     for name, blocks in ckpt.q4_weights():
         target, shard, count = model.checkpoint_target(name)
         module_name = target.rpartition(".")[0]
@@ -47,7 +50,7 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         if tuple(fused.q.shape) != tuple(linear.weight.shape):
             raise ValueError(f"GGUF tensor(s) {names[target]} give {tuple(fused.q.shape)}, "
                              f"{target} expects {tuple(linear.weight.shape)}")
-        linear.quant = Int4Linear.from_blocks(fused)
+        linear.quant = q4_class.from_blocks(fused)
         packed_bytes += linear.quant.nbytes()
         # An empty placeholder: the fp32 copy would be most of the process's memory.
         linear.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
@@ -74,8 +77,9 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         w = head.weight.detach()
         model.lm_head_quant = SplitBf16Linear.from_rows(lambda s, e: w[s:e], *w.shape)
         head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # no longer read
-    logger.info("gguf quantization: %d linears kept in int4 (%.1f MB), embedding %s, output projection %s",
-                len(prefilled) - (table is not None), packed_bytes / 1e6,
+    logger.info("gguf quantization: %d linears kept in int4 (%s, %.1f MB), embedding %s, output projection %s",
+                len(prefilled) - (table is not None), "our AVX-512 BF16 kernel" if q4_class is Q4DotLinear
+                else "torch's int4 op", packed_bytes / 1e6,
                 "Q8_0 rows" if table is not None else "dequantized",
                 "on the embedding's Q8_0 blocks" if isinstance(model.lm_head_quant, Q8Linear) else
                 f"in bf16 hi + lo ({model.lm_head_quant.nbytes() / 1e6:.1f} MB)" if model.lm_head_quant is not None
