@@ -101,3 +101,32 @@ def test_q8_gemm_matches_fp64(m):
     y = cpu_ext.q8_gemm(q, d, x)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert _rel(ref, y.double()) < 1e-6  # fp32 sums of exact products
+
+
+def test_without_a_c_compiler_torch_ops_serve(cpu_engine, monkeypatch, tmp_path):
+    """No C compiler: the CPU loop runs on torch ops, the Q4 linears through torch's int4 op, the tied head as
+    bf16 hi + lo GEMMs and decode attention through SDPA; greedy answers still those of the fp32 model."""
+    from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, SplitBf16Linear
+
+    france = cpu_engine.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
+    cases = [({"input_ids": france}, 24), ({"prompt": "The capital of France is"}, 5)]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for _, n in cases]
+    # before the compiler goes: every engine's kernel calls look the library up through the same cache
+    want = [cpu_engine.generate(**inputs, sampling_params=p)["output_ids"] for (inputs, _), p in zip(cases, params)]
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_ext.build_variant.cache_clear()
+    try:
+        engine = radixlm.Engine(log_level="warning", max_total_tokens=1024, quantization="gguf", device="cpu")
+        try:
+            model = engine.runner.model
+            assert model.model.cpu_path is not None and not model.model.cpu_path.kernels
+            assert isinstance(model.model.layers[0].mlp.down_proj.quant, Int4Linear)
+            assert isinstance(model.lm_head_quant, SplitBf16Linear)
+            assert not engine.runner.attn_backend.cpu_decode
+            for (inputs, _), p, w in zip(cases, params, want):
+                assert engine.generate(**inputs, sampling_params=p)["output_ids"] == w, inputs
+        finally:
+            engine.shutdown()
+    finally:
+        monkeypatch.delenv("CC")
+        cpu_ext.build_variant.cache_clear()  # the next load() finds the cached library again
