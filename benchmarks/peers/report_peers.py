@@ -34,7 +34,8 @@ def rows(d: Path, peer: str = "vllm") -> list[dict]:
                         peer: theirs["valid_json"], "ratio": None, "complete": True})
             out.append({"workload": title, "metric": "requests/s", "radixlm": ours["request_throughput"],
                         peer: theirs["request_throughput"],
-                        "ratio": ours["request_throughput"] / theirs["request_throughput"], "complete": True})
+                        "ratio": ours["request_throughput"] / theirs["request_throughput"]
+                        if theirs["request_throughput"] else None, "complete": True})
         for metric, key, higher_better in (("output tok/s", ("output_throughput",), True),
                                            ("TTFT mean ms", ("ttft_ms", "mean"), False),
                                            ("ITL mean ms", ("itl_ms", "mean"), False),
