@@ -68,7 +68,11 @@ if stage serve; then
         --input-len 40 --output-len 64 --max-concurrency 64 --out "$DEST/${ENGINE}_shared_prefix.json" > /dev/null
     want json && $B --label $ENGINE-json --dataset json --num-prompts 256 --input-len 64 --output-len 256 \
         --max-concurrency 64 --out "$DEST/${ENGINE}_json.json" > /dev/null
-    kill -INT $SERVER; wait $SERVER 2> /dev/null
+    # vLLM's server has been seen to hang on SIGINT after a failed request: give it 30 s, then kill its group
+    kill -INT $SERVER
+    for _ in $(seq 30); do kill -0 $SERVER 2> /dev/null || break; sleep 1; done
+    kill -0 $SERVER 2> /dev/null && { echo "server did not stop in 30 s: killed"; pkill -9 -P $SERVER; kill -9 $SERVER; }
+    wait $SERVER 2> /dev/null
     sleep 3  # let the GPU memory go before the offline engine starts
 fi
 
