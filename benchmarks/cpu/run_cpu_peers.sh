@@ -10,14 +10,18 @@
 #   3. serving: `radixlm serve $OURS_FLAGS`, then `python -m llama_cpp.server`, each driven by the same
 #      bench_serving.py command (random 128/32, 32 prompts, concurrency 8), each stopped before the next starts
 #   4. report_cpu_peers.py DEST: the table (and DEST/peers.png when matplotlib is importable)
-# Environment: MODEL (the GGUF), THREADS (default nproc), OURS_FLAGS (default --quantization gguf),
+# Environment: MODEL (the GGUF), THREADS (default nproc), OURS_FLAGS (default --quantization gguf
+# --max-running-requests 4),
 # LLAMA_FLAGS (extra llama_cpp.server flags), STAGES (default "decode llama serve"), SMOKE=1,
 # and NUM_PROMPTS INPUT_LEN OUTPUT_LEN CONCURRENCY REPEATS STEPS to override the sizes one by one.
 set -u
 DEST=${1:-benchmarks/results/cpu-2core/peers}
 MODEL=${MODEL:-$HOME/.cache/radixlm/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 THREADS=${THREADS:-$(nproc)}
-OURS_FLAGS=${OURS_FLAGS:---quantization gguf}
+# At most 4 running requests: on 2 cores a 128-token prefill (~60 ms) is most of the work, and every running
+# stream waits for every other stream's prefill, so 8 at once double the mean ITL for ~10% more throughput
+# (llama.cpp's server, for comparison, decodes one request at a time). Queued requests wait in TTFT instead.
+OURS_FLAGS=${OURS_FLAGS:---quantization gguf --max-running-requests 4}
 LLAMA_FLAGS=${LLAMA_FLAGS:-}
 STAGES=" ${STAGES:-decode llama serve} "
 OURS_PORT=${OURS_PORT:-30000}; LLAMA_PORT=${LLAMA_PORT:-30011}
