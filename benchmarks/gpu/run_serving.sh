@@ -4,7 +4,7 @@
 # Usage (device tool): source .gpu-bundle/activate && bash benchmarks/gpu/run_serving.sh TOKENIZER_DIR OUT_DIR
 set -u
 TOK=$1; OUT=$2; PORT=${PORT:-30000}; mkdir -p "$OUT"
-WORKLOADS=" ${WORKLOADS:-c32 c1 c128 prefix aborts} "  # which of the runs below
+WORKLOADS=" ${WORKLOADS:-c32 c1 c128 prefix aborts} "  # which of the runs below (also: json)
 want() { [[ "$WORKLOADS" == *" $1 "* ]]; }
 if [ "${FULL_VOCAB:-1}" = 1 ]; then  # every sampled id streams as visible text (see full_vocab_tokenizer.py)
     [ -d /tmp/tok_full ] || python benchmarks/gpu/full_vocab_tokenizer.py "$TOK" /tmp/tok_full 128256
@@ -34,6 +34,9 @@ want c128 && python benchmarks/bench_serving.py --base-url $URL --label random-c
 want prefix && python benchmarks/bench_serving.py --base-url $URL --label shared-prefix --dataset shared-prefix --groups 8 \
     --num-prompts 128 --system-len 1500 --input-len 40 --output-len 64 --max-concurrency 64 --eos-token-id 128001 \
     --out "$OUT/shared_prefix.json" $CT > /dev/null
+# JSON schema (chat + response_format, as run_peers.sh runs it): EXTRA picks the grammar backend / jump-forward.
+want json && python benchmarks/bench_serving.py --base-url $URL --label json --dataset json --num-prompts 256 \
+    --input-len 64 --output-len 256 --max-concurrency 64 --out "$OUT/json.json" $CT > /dev/null
 # Clients hanging up mid-stream (a quarter of them), on both workloads: their KV must come back too.
 want aborts && python benchmarks/bench_serving.py --base-url $URL --label aborts-random --dataset random --num-prompts 128 \
     --input-len 512 --output-len 128 --max-concurrency 64 --abort-fraction 0.25 --eos-token-id 128001 \
@@ -53,17 +56,18 @@ print("kv_free", st.get("kv_free"), "of", st.get("kv_total"), "OK" if st.get("kv
 PY
 kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
 if [ -n "$CT" ]; then
-  for f in random_c32 random_c128 shared_prefix; do
+  for f in random_c32 random_c128 shared_prefix json; do
     [ -f "$OUT/$f.json" ] && python benchmarks/itl_tail.py "$OUT/steps.jsonl" "$OUT/$f.json" --out "$OUT/tail_$f.json"
   done
 fi
 python - "$OUT" <<'PY'
 import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("random_c*.json")) + [pathlib.Path(sys.argv[1]) / f for f in
-        ("shared_prefix.json", "aborts_random.json", "aborts_prefix.json")]:
+        ("shared_prefix.json", "json.json", "aborts_random.json", "aborts_prefix.json")]:
     if f.exists():
         d = json.loads(f.read_text())
         print(f"{d['label']:>14} ok {d['completed']:>3} fail {d['failed']} abort {d.get('aborted', 0)} req/s {d['request_throughput']:.2f} "
               f"out tok/s {d['output_throughput']:.0f} TTFT mean {d['ttft_ms']['mean']:.0f} ms p99 "
-              f"{d['ttft_ms']['p99']:.0f} ITL mean {d['itl_ms']['mean']:.1f} ms p99 {d['itl_ms']['p99']:.1f}")
+              f"{d['ttft_ms']['p99']:.0f} ITL mean {d['itl_ms']['mean']:.1f} ms p99 {d['itl_ms']['p99']:.1f}"
+              + (f" valid JSON {d['valid_json']}" if d.get("valid_json") is not None else ""))
 PY
