@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import random
 import statistics
@@ -28,6 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the client runs beside any server
 from radixlm.srt.managers.step_trace import ProcessTrace  # noqa: E402
+from radixlm.srt.utils import freeze_startup_objects  # noqa: E402
 
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
           "government company number group problem fact river mountain ocean forest city garden window table "
@@ -152,7 +152,9 @@ async def one_request(client: httpx.AsyncClient, args, spec: RequestSpec) -> Req
     return res
 
 
-async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:
+async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], float, list[dict]]:
+    """The requests' results, the run's duration and (with --save-chunk-times) the client's own collector
+    passes and loop stalls."""
     limits = httpx.Limits(max_connections=args.max_concurrency or len(specs) or 1)
     sem = asyncio.Semaphore(args.max_concurrency or len(specs) or 1)
     rng = random.Random(args.seed + 1)
@@ -176,8 +178,7 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
         duration = time.perf_counter() - start
         if watcher is not None:
             watcher.cancel()
-            args.client_events = [json.loads(line) for line in events.lines]
-        return results, duration
+        return results, duration, [json.loads(line) for line in events.lines] if events is not None else []
 
 
 def wait_for_server(base_url: str, seconds: float) -> list[str]:
@@ -242,15 +243,13 @@ def main() -> None:
     if args.model is None:
         args.model = models[0]
     specs = make_dataset(args)
-    # The prompts and imports live through the run: keep them out of the collector's full passes, which would
-    # otherwise stall this loop mid-stream and show up as the server's inter-token latency.
-    gc.collect()
-    gc.freeze()
-    results, duration = asyncio.run(run(args, specs))
+    # The prompts live through the run: a collector pass over them mid-stream would show up as the server's ITL.
+    freeze_startup_objects()
+    results, duration, client_events = asyncio.run(run(args, specs))
     ok = [r for r in results if r.ok and not r.aborted]
     out_tokens = sum(r.output_tokens for r in ok)
     report = {
-        "label": args.label or args.base_url, "config": {k: v for k, v in vars(args).items() if k != "client_events"} | {"request_rate": str(args.request_rate)},
+        "label": args.label or args.base_url, "config": vars(args) | {"request_rate": str(args.request_rate)},
         "completed": len(ok), "aborted": sum(r.aborted for r in results),
         "valid_json": sum(_valid_record(r.text) for r in ok) if args.dataset == "json" else None,
         "failed": sum(not r.ok and not r.aborted for r in results),
@@ -268,7 +267,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     if args.save_chunk_times:  # perf_counter is CLOCK_MONOTONIC: comparable with the server's step trace
         report["chunk_times"] = [r.times for r in ok]
-        report["client_events"] = getattr(args, "client_events", [])
+        report["client_events"] = client_events
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

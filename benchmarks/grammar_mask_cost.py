@@ -19,13 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_serving import JSON_SCHEMA  # noqa: E402
 from radixlm.srt.constrained.base import GrammarSpec  # noqa: E402
-from radixlm.srt.constrained.bitmask import allocate  # noqa: E402
+from radixlm.srt.constrained.bitmask import allocate, allowed_ids  # noqa: E402
 from radixlm.srt.constrained.manager import create_backend  # noqa: E402
 
 
@@ -34,9 +31,12 @@ def pct(v: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q / 100 * len(s)))]
 
 
-def allowed_ids(row: torch.Tensor, vocab: int) -> np.ndarray:
-    bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:vocab]
-    return np.flatnonzero(bits)
+def pick(ids: list[int], stop_ids: list[int], rng: random.Random) -> int:
+    """A random allowed token; a stop token only when the grammar allows nothing else."""
+    non_stop = [t for t in ids if t not in stop_ids] if len(ids) < 4096 else None
+    if non_stop is None:  # most of the vocabulary is allowed: one draw (a stop id is a few in 128k)
+        return rng.choice(ids)
+    return rng.choice(non_stop) if non_stop else stop_ids[0]
 
 
 def run(backend_name: str, tokenizer, vocab: int, stop_ids: list[int], n: int, steps: int, seed: int) -> dict:
@@ -62,9 +62,7 @@ def run(backend_name: str, tokenizer, vocab: int, stop_ids: list[int], n: int, s
         fill_done = time.perf_counter()
         picks = {}
         for i in live:  # choosing the token stands in for sampling on the device: not timed
-            ids = allowed_ids(mask[i], vocab)
-            non_stop = [t for t in ids.tolist() if t not in stop_ids] if len(ids) < 4096 else None
-            picks[i] = rng.choice(non_stop) if non_stop else (int(rng.choice(ids)) if non_stop is None else stop_ids[0])
+            picks[i] = pick(allowed_ids(mask, i, vocab), stop_ids, rng)
         t_acc = time.perf_counter()
         for i in live:
             t = time.perf_counter()

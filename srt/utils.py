@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -27,6 +28,14 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive now (model, tokenizer, app, imports: all of it lives as long as the process) out of
+    the cyclic collector's reach. Its full passes would otherwise walk it mid-serving and hold up a step, or
+    every stream's next chunk, for as long as the walk takes."""
+    gc.collect()
+    gc.freeze()
 
 
 def parent_alive(parent_pid: int) -> bool:

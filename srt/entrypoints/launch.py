@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import multiprocessing as mp
 import os
@@ -19,7 +18,7 @@ import time
 
 from radixlm.srt.errors import RadixLMError
 from radixlm.srt.server_args import ServerArgs
-from radixlm.srt.utils import configure_logging
+from radixlm.srt.utils import configure_logging, freeze_startup_objects
 
 logger = logging.getLogger("radixlm.launch")
 
@@ -148,10 +147,7 @@ def launch_server(args: ServerArgs) -> int:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await tm.start()
-        # Everything loaded so far (tokenizer, app, imports) lives as long as the server: keep it out of the
-        # collector's full passes, which otherwise walk it mid-stream and hold every stream's next chunk.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects()  # the tokenizer, app and imports
         exit_code["served"] = True
         task = asyncio.create_task(watchdog())
         logger.info("radixlm ready: %s on http://%s:%d (%s, %s, KV cache %d tokens)", resolved.served_model_name,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import gc
 import signal
 import sys
 import time
@@ -15,7 +14,7 @@ from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput
 from radixlm.srt.managers.step_trace import ProcessTrace
 from radixlm.srt.model_loader.hf_loader import load_tokenizer
-from radixlm.srt.utils import configure_logging, die_with_parent, parent_alive
+from radixlm.srt.utils import configure_logging, die_with_parent, freeze_startup_objects, parent_alive
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +38,7 @@ def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict
     trace = ProcessTrace.from_env("detokenizer")
     if trace is not None:  # the launcher stops children with SIGTERM: exit through atexit, which writes it out
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    # The tokenizer and imports live as long as the process: keep them out of the collector's full passes,
-    # which would otherwise hold up a step's tokens for as long as they take to walk.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
     try:
         while True:
             if not recv.poll(500):

@@ -16,7 +16,6 @@ while the forward runs, so penalties and (later) grammar masks see every token.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +33,7 @@ from radixlm.srt.managers.scheduler_output import SchedulerOutputMixin
 from radixlm.srt.managers.step_trace import StepTrace
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardMode
-from radixlm.srt.utils import to_device
+from radixlm.srt.utils import freeze_startup_objects, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +96,7 @@ class Scheduler(SchedulerOutputMixin):
         self._outputs: list[TokenOutput] = []
         self.grammar = SchedulerGrammar(args, tokenizer, runner.vocab_size, runner.config.eos_token_ids,
                                         runner.device)
-        # Everything alive now (model, tokenizer, graphs) lives as long as the process: keep it out of the
-        # cyclic collector's full passes, which otherwise walk it mid-serving and stall a step by milliseconds.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects()  # the model, tokenizer and graphs, out of the collector's full passes
 
     # --- public interface ----------------------------------------------------------------------------------
     def add(self, req: Req) -> None:

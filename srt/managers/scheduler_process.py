@@ -34,8 +34,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
     try:
         loaded = load_model(model_path, tokenizer_path=tokenizer_path, dtype=args.dtype, device=args.device,
                             context_length=args.context_length, served_model_name=args.served_model_name,
-                            load_format=args.load_format,
-                            quantization=args.quantization)
+                            load_format=args.load_format, quantization=args.quantization)
         runner = ModelRunner(loaded, args)
         scheduler = Scheduler(runner, loaded.tokenizer, args)
     except Exception as e:  # report why, then exit non-zero: the launcher shows the message

@@ -17,10 +17,9 @@ import atexit
 import gc
 import json
 import os
-from pathlib import Path
-
 import sys
 import time
+from pathlib import Path
 
 
 def trace_path(kind: str) -> Path | None:
@@ -35,27 +34,18 @@ def trace_path(kind: str) -> Path | None:
     return path if kind == "steps" else path.with_name(f"{path.stem}.{kind}{path.suffix}")
 
 
-class StepTrace:
+class _JsonlTrace:
+    """Lines buffered in memory and appended to `path` every FLUSH_EVERY lines, on flush() and at exit (with no
+    path they stay in `lines`)."""
+
     FLUSH_EVERY = 512
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | None):
         self.path = path
         self.lines: list[str] = []
         atexit.register(self.flush)
 
-    @classmethod
-    def from_env(cls) -> "StepTrace | None":
-        path = trace_path("steps")
-        return cls(path) if path is not None else None
-
-    def record(self, t0: float, info: dict, n_outputs: int) -> None:
-        rec = {"t": round(t0, 6), "outputs": n_outputs, **info,
-               "gc": sum(g["collections"] for g in gc.get_stats())}
-        torch = sys.modules.get("torch")  # not imported here: a benchmark client uses ProcessTrace without it
-        if torch is not None and torch.cuda.is_initialized():  # device mallocs/frees and allocator retries synchronize the host
-            m = torch.cuda.memory_stats()
-            rec["cuda_alloc"] = [m.get("num_device_alloc", 0), m.get("num_device_free", 0),
-                                 m.get("num_alloc_retries", 0)]
+    def _add(self, rec: dict) -> None:
         self.lines.append(json.dumps(rec))
         if len(self.lines) >= self.FLUSH_EVERY:
             self.flush()
@@ -67,31 +57,41 @@ class StepTrace:
             self.lines = []
 
 
-class ProcessTrace:
+class StepTrace(_JsonlTrace):
+    @classmethod
+    def from_env(cls) -> "StepTrace | None":
+        path = trace_path("steps")
+        return cls(path) if path is not None else None
+
+    def record(self, t0: float, info: dict, n_outputs: int) -> None:
+        rec = {"t": round(t0, 6), "outputs": n_outputs, **info,
+               "gc": sum(g["collections"] for g in gc.get_stats())}
+        torch = sys.modules.get("torch")  # not imported here: a benchmark client uses ProcessTrace without it
+        if torch is not None and torch.cuda.is_initialized():
+            # device mallocs/frees and allocator retries synchronize the host
+            m = torch.cuda.memory_stats()
+            rec["cuda_alloc"] = [m.get("num_device_alloc", 0), m.get("num_device_free", 0),
+                                 m.get("num_alloc_retries", 0)]
+        self._add(rec)
+
+
+class ProcessTrace(_JsonlTrace):
     """An output-path process's trace: `batch(**times)` per batch handled, collector passes (generation, pause)
     from gc.callbacks, and, once `watch_loop()` runs in an asyncio loop, every wake-up over 2 ms late. With no
     path the lines stay in `lines` (a benchmark client keeps them in its own report)."""
 
-    FLUSH_EVERY = 512
     LAG_TICK_S = 0.001
     LAG_REPORT_S = 0.002
 
     def __init__(self, path: Path | None):
-        self.path = path
-        self.lines: list[str] = []
+        super().__init__(path)
         self._gc_start = 0.0
         gc.callbacks.append(self._on_gc)
-        atexit.register(self.flush)
 
     @classmethod
     def from_env(cls, kind: str) -> "ProcessTrace | None":
         path = trace_path(kind)
         return cls(path) if path is not None else None
-
-    def _add(self, rec: dict) -> None:
-        self.lines.append(json.dumps(rec))
-        if len(self.lines) >= self.FLUSH_EVERY:
-            self.flush()
 
     def batch(self, **times: float) -> None:
         self._add({"k": "batch", **{k: round(v, 6) if isinstance(v, float) else v for k, v in times.items()}})
@@ -100,7 +100,7 @@ class ProcessTrace:
         now = time.perf_counter()
         if phase == "start":
             self._gc_start = now
-        else:
+        else:  # appended, never flushed, from inside the collector: no file I/O there
             self.lines.append(json.dumps({"k": "gc", "t": round(self._gc_start, 6), "gen": info["generation"],
                                           "ms": round((now - self._gc_start) * 1e3, 3)}))
 
@@ -113,9 +113,3 @@ class ProcessTrace:
             late = time.perf_counter() - t - self.LAG_TICK_S
             if late > self.LAG_REPORT_S:
                 self._add({"k": "lag", "t": round(t, 6), "ms": round(late * 1e3, 3)})
-
-    def flush(self) -> None:
-        if self.lines and self.path is not None:
-            with open(self.path, "a") as f:
-                f.write("\n".join(self.lines) + "\n")
-            self.lines = []

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import random
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -106,18 +104,9 @@ class TokenizerManager:
         ctx = zmq.asyncio.Context()
         self.to_scheduler = ctx.socket(zmq.PUSH)
         self.to_scheduler.connect(self.endpoints["scheduler"])
-        if os.environ.get("RADIXLM_TM_RECV", "asyncio") == "thread":
-            # A thread blocks on a plain socket and hands each burst of messages to the loop through
-            # call_soon_threadsafe, which always wakes it (no reliance on the ZMQ descriptor's edge).
-            self.recv = zmq.Context.instance().socket(zmq.PULL)
-            self.recv.bind(self.endpoints["tokenizer"])
-            self._recv_thread = threading.Thread(target=self._recv_in_thread, args=(asyncio.get_running_loop(),),
-                                                 name="tokenizer-manager-recv", daemon=True)
-            self._recv_thread.start()
-        else:
-            self.recv = ctx.socket(zmq.PULL)
-            self.recv.bind(self.endpoints["tokenizer"])
-            self._recv_task = asyncio.create_task(self._recv_loop())
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(self.endpoints["tokenizer"])
+        self._recv_task = asyncio.create_task(self._recv_loop())
         if self.trace is not None:
             self._lag_task = asyncio.create_task(self.trace.watch_loop())
 
@@ -237,26 +226,7 @@ class TokenizerManager:
     async def _recv_loop(self) -> None:
         decoder = msgspec.msgpack.Decoder(TokenizerIn)
         while True:
-            self._dispatch([decoder.decode(await self.recv.recv())])
-
-    def _recv_in_thread(self, loop: asyncio.AbstractEventLoop) -> None:
-        decoder = msgspec.msgpack.Decoder(TokenizerIn)
-        while not loop.is_closed():
-            if not self.recv.poll(500):
-                continue
-            msgs = []
-            while True:
-                try:
-                    msgs.append(decoder.decode(self.recv.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
-            try:
-                loop.call_soon_threadsafe(self._dispatch, msgs)
-            except RuntimeError:  # the loop closed meanwhile: the server is shutting down
-                return
-
-    def _dispatch(self, msgs: list) -> None:
-        for msg in msgs:
+            msg = decoder.decode(await self.recv.recv())
             if isinstance(msg, ControlResp):
                 fut = self._control_waiters.get(msg.id)
                 if fut is not None and not fut.done():
