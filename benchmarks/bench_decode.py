@@ -39,8 +39,39 @@ def _profile(served, plain, path: str, bs: int) -> None:
                 fn()
             torch.cuda.synchronize()
         lines += [f"== batch {bs}, {name}, 5 runs", prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)]
+        if name == "served step":
+            trace = Path(path).with_suffix(f".bs{bs}.trace.json")
+            prof.export_chrome_trace(str(trace))
+            lines += timeline(json.loads(trace.read_text()), steps=5)
+            trace.unlink()
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def timeline(trace: dict, steps: int) -> list[str]:
+    """One served step's device timeline from a profiler trace of `steps` equal steps: kernel time by kernel,
+    and the idle time (or, under programmatic dependent launch, the overlap) before each kernel, by kernel."""
+    ks = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("ph") == "X"),
+                key=lambda e: e["ts"])
+    if not ks or len(ks) % steps:
+        return [f"timeline: {len(ks)} kernels do not split into {steps} equal steps"]
+    per = len(ks) // steps
+    step = ks[per * (steps - 1):]  # the last step: the earlier ones warm up the profiler
+    span = step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]
+    busy: dict[str, list[float]] = {}
+    idle: dict[str, float] = {}
+    for prev, k in zip([None] + step[:-1], step):
+        name = k["name"].split("<")[0][:60]
+        busy.setdefault(name, []).append(k["dur"])
+        if prev is not None:
+            idle[name] = idle.get(name, 0.0) + k["ts"] - (prev["ts"] + prev["dur"])
+    total_busy = sum(sum(v) for v in busy.values())
+    out = [f"timeline of one step: {per} kernels, span {span:.1f} us, kernel time {total_busy:.1f} us, "
+           f"idle {span - total_busy:.1f} us (negative: kernels overlapped)",
+           f"{'kernel':60s} {'count':>5s} {'mean us':>8s} {'total us':>9s} {'idle before, us':>15s}"]
+    for name, durs in sorted(busy.items(), key=lambda kv: -sum(kv[1])):
+        out.append(f"{name:60s} {len(durs):5d} {sum(durs) / len(durs):8.2f} {sum(durs):9.1f} {idle.get(name, 0):15.1f}")
+    return out
 
 
 def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: str | None = None) -> dict:
