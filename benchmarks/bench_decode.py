@@ -1,7 +1,9 @@
 """Decode step time of the model runner: fixed batches at a fixed context, median over repeats.
 
 A step is what the scheduler launches: the forward (a CUDA-graph replay where one is captured), greedy
-sampling and the one device->host copy of the ids, waited for. With --eager the same batch also runs through
+sampling and the one device->host copy of the ids, waited for. On CUDA each row also has the pipelined step
+(32 steps back to back, step k+1 launched before step k's ids are read, as the overlap scheduler runs them)
+and the host's launch time of one step (what the device waits for between steps that do not overlap). With --eager the same batch also runs through
 the eager forward, for the graphs-vs-eager comparison in one process.
 
     python benchmarks/bench_decode.py --batch-sizes 1 16 --context 128
@@ -96,12 +98,37 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
     def plain():
         return r.forward(spec.build(r.device, None), piecewise=False).argmax(-1).tolist()
 
+    def pipelined():
+        """Steps as the overlap scheduler runs them: step k+1 is launched before step k's ids are read."""
+        prev = None
+        for _ in range(_PIPELINE_STEPS):
+            cur = r.sample(r.run_forward(spec), info)
+            if prev is not None:
+                prev.wait()
+            prev = cur
+        return prev.wait()
+
+    def launch():
+        """Host time from the start of a step until its forward and sampling are launched (the device waits
+        for the host this long when steps do not overlap)."""
+        t = time.perf_counter()
+        pending = r.sample(r.run_forward(spec), info)
+        dt = time.perf_counter() - t
+        pending.wait()
+        return dt
+
     if profile:
         _profile(served, plain, profile, bs)
     timed = [("step", served)] + ([("eager", plain)] if eager else [])
     out = {name: _median_s(fn, repeats, sync) for name, fn in timed}
+    if r.device.type == "cuda":
+        out["pipelined"] = _median_s(pipelined, max(3, repeats // 4), sync) / _PIPELINE_STEPS
+        out["launch"] = statistics.median(launch() for _ in range(repeats))
     release(r, slots, rows)
     return out
+
+
+_PIPELINE_STEPS = 32
 
 
 def _median_s(fn, repeats: int, sync) -> float:
@@ -192,8 +219,13 @@ def main():
                "cuda_graph": graphs, "step_ms": t["step"] * 1e3, "tokens_per_s": bs / t["step"]}
         if "eager" in t:
             row.update(eager_forward_ms=t["eager"] * 1e3, eager_tokens_per_s=bs / t["eager"])
+        if "pipelined" in t:
+            row.update(pipelined_step_ms=t["pipelined"] * 1e3, pipelined_tokens_per_s=bs / t["pipelined"],
+                       host_launch_ms=t["launch"] * 1e3)
         rows.append(row)
         extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
+        if "pipelined" in t:
+            extra += f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms"
         print(f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "
               f"{bs / t['step']:9.1f} tokens/s{extra}", flush=True)
     mixed_rows = []

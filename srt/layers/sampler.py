@@ -65,10 +65,23 @@ class SampleOutput:
     top_logprobs: list[list[float]] | None
 
 
+def _row_argmax(device: torch.device):
+    """Our two-pass kernel on CUDA (kernels/argmax.py: several times faster than torch's at batch 1), else
+    torch's argmax."""
+    from radixlm.kernels import HAS_TRITON
+
+    if device.type == "cuda" and HAS_TRITON:
+        from radixlm.kernels.argmax import argmax
+
+        return argmax
+    return lambda x: x.argmax(-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.col_keys = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ 0x9E3779B9)
+        self.argmax = _row_argmax(device)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
@@ -87,7 +100,7 @@ class Sampler:
             logits = logits.masked_fill(info.banned, float("-inf"))
         if info.vocab_mask is not None:  # last: a grammar's choice overrides min_new_tokens' EOS ban
             logits = apply_bitmask(logits, info.vocab_mask)
-        greedy_ids = logits.argmax(-1)
+        greedy_ids = self.argmax(logits)
         if info.all_greedy:
             return greedy_ids
         probs = torch.softmax(logits / info.temperatures, dim=-1)

@@ -11,11 +11,13 @@ import bisect
 import logging
 import time
 
+import numpy as np
 import torch
 
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+_RING = 3  # pinned input buffers per graph size; under overlap scheduling at most two copies are in flight
 
 
 def default_cuda_graph_max_bs(device: torch.device) -> int:
@@ -41,6 +43,9 @@ class CudaGraphRunner:
         self.fbs: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._rings: dict[int, list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event]]] = {}
+        self._ring_next: dict[int, int] = {}
+        self._pad_column = np.array([[0], [0], [self.dummy_row], [1], [0]], dtype=np.int64)
         self.backend.init_cuda_graph_state(self.max_bs)
         if hasattr(self.backend, "graph_bucket"):
             self.backend.graph_bucket = self.bucket
@@ -84,6 +89,20 @@ class CudaGraphRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GB", len(self.sizes),
                     self.sizes[0], self.max_bs, time.perf_counter() - start, used / 1e9)
 
+    def _staging(self, gbs: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event]:
+        """The next pinned [5, gbs] buffer of this size's ring, its numpy view and the event its last copy
+        recorded, once that copy has run. Reused buffers, not one allocation per step: at batch 1 the host's
+        time before the replay is time the GPU waits."""
+        ring = self._rings.get(gbs)
+        if ring is None:
+            ring = self._rings[gbs] = [(buf, buf.numpy(), torch.cuda.Event()) for buf in
+                                       (torch.empty(5, gbs, dtype=torch.int64, pin_memory=True)
+                                        for _ in range(_RING))]
+        self._ring_next[gbs] = (self._ring_next.get(gbs, -1) + 1) % _RING
+        host, fill, done = ring[self._ring_next[gbs]]
+        done.synchronize()  # long done: the copy ran before the replay _RING steps ago
+        return host, fill, done
+
     def bucket(self, bs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, bs)] if bs <= self.max_bs else bs
 
@@ -99,16 +118,17 @@ class CudaGraphRunner:
         bs = len(seq_lens)
         gbs = self.bucket(bs)
         pad = gbs - bs
-        host = torch.empty(5, gbs, dtype=torch.int64, pin_memory=True)  # see srt.utils.to_device
-        host[0, :bs] = torch.tensor(input_ids, dtype=torch.int64)
-        host[1, :bs] = torch.tensor(positions, dtype=torch.int64)
-        host[2, :bs] = torch.tensor(rows, dtype=torch.int64)
-        host[3, :bs] = torch.tensor(seq_lens, dtype=torch.int64)
-        host[4, :bs] = out_cache_loc
+        host, fill, done = self._staging(gbs)
+        fill[0, :bs] = input_ids
+        fill[1, :bs] = positions
+        fill[2, :bs] = rows
+        fill[3, :bs] = seq_lens
+        fill[4, :bs] = out_cache_loc.numpy()
         if pad:
-            host[:, bs:] = torch.tensor(self._padding(pad), dtype=torch.int64)
+            fill[:, bs:] = self._pad_column
         static = self.static[gbs]
         static.copy_(host, non_blocking=True)
+        done.record()
         if future_map is not None:
             ids = static[0]
             ids.copy_(torch.where(ids < 0, future_map[(-ids - 1).clamp_min(0)], ids))
