@@ -109,13 +109,23 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         return prev.wait()
 
     def launch():
-        """Host time from the start of a step until its forward and sampling are launched (the device waits
-        for the host this long when steps do not overlap)."""
-        t = time.perf_counter()
-        pending = r.sample(r.run_forward(spec), info)
-        dt = time.perf_counter() - t
+        """Host time from the start of a step until its forward (a graph replay: how much of that is the graph
+        launch alone) and its sampling are launched: the device waits this long when steps do not overlap."""
+        g = r.graph_runner
+        graph = g.graphs.get(g.bucket(bs)) if g is not None else None
+        t0 = time.perf_counter()
+        logits = r.run_forward(spec)
+        t1 = time.perf_counter()
+        pending = r.sample(logits, info)
+        t2 = time.perf_counter()
         pending.wait()
-        return dt
+        replay = 0.0
+        if graph is not None:
+            t3 = time.perf_counter()
+            graph.replay()
+            replay = time.perf_counter() - t3
+            sync()
+        return t1 - t0, t2 - t1, replay
 
     if profile:
         _profile(served, plain, profile, bs)
@@ -123,7 +133,9 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
     out = {name: _median_s(fn, repeats, sync) for name, fn in timed}
     if r.device.type == "cuda":
         out["pipelined"] = _median_s(pipelined, max(3, repeats // 4), sync) / _PIPELINE_STEPS
-        out["launch"] = statistics.median(launch() for _ in range(repeats))
+        parts = [launch() for _ in range(repeats)]
+        out["launch"] = statistics.median(f + s for f, s, _ in parts)
+        out["launch_parts"] = [statistics.median(p[i] for p in parts) for i in range(3)]
     release(r, slots, rows)
     return out
 
@@ -220,12 +232,16 @@ def main():
         if "eager" in t:
             row.update(eager_forward_ms=t["eager"] * 1e3, eager_tokens_per_s=bs / t["eager"])
         if "pipelined" in t:
+            fwd, smp, replay = t["launch_parts"]
             row.update(pipelined_step_ms=t["pipelined"] * 1e3, pipelined_tokens_per_s=bs / t["pipelined"],
-                       host_launch_ms=t["launch"] * 1e3)
+                       host_launch_ms=t["launch"] * 1e3, host_forward_ms=fwd * 1e3, host_sample_ms=smp * 1e3,
+                       graph_launch_ms=replay * 1e3)
         rows.append(row)
         extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
         if "pipelined" in t:
-            extra += f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms"
+            extra += (f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms "
+                      f"(forward {fwd * 1e3:5.3f}, of which graph launch {replay * 1e3:5.3f}; sampling "
+                      f"{smp * 1e3:5.3f})")
         print(f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "
               f"{bs / t['step']:9.1f} tokens/s{extra}", flush=True)
     mixed_rows = []

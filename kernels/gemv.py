@@ -62,8 +62,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stri
                  up_offset, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PRE_NORM: tl.constexpr,
                  ADD_RES: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    if USE_PDL:
-        gdc_launch_dependents()  # the next kernel may start once every program of this one has
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -94,6 +92,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stri
             acc_up += x[:, None, :] * _load_w(u_rows, k0, K, rk, n_mask, EVEN_K).to(tl.float32)[None, :, :]
         if PRE_NORM:
             sq += x * x
+    if USE_PDL:
+        # The next kernel may launch once every program of this one is past its weight stream: a GEMV after a
+        # GEMV then loads its first tile during this one's tail, not earlier, where its waiting programs would
+        # hold SM slots that this one's later waves need.
+        gdc_launch_dependents()
     y = tl.sum(acc, axis=2)
     if PRE_NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
