@@ -63,7 +63,8 @@ def timeline(trace: dict, steps: int) -> list[str]:
     busy: dict[str, list[float]] = {}
     idle: dict[str, float] = {}
     for prev, k in zip([None] + step[:-1], step):
-        name = k["name"].split("<")[0][:60]
+        grid = k.get("args", {}).get("grid")  # tells the projections of one GEMV kernel apart
+        name = k["name"].split("<")[0][:44] + (f" {grid}" if grid else "")
         busy.setdefault(name, []).append(k["dur"])
         if prev is not None:
             idle[name] = idle.get(name, 0.0) + k["ts"] - (prev["ts"] + prev["dur"])
