@@ -25,6 +25,7 @@ from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, t
 logger = logging.getLogger(__name__)
 
 MAX_M = 8
+JOINT_REDUCE = True  # one tuple reduction for all of a program's sums (benchmarks/gpu/gemv_variants.py A/Bs it)
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,9 +59,19 @@ def _load_x(rows, k0, K, rk, m_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm,
                  up_offset, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PRE_NORM: tl.constexpr,
-                 ADD_RES: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                 ADD_RES: tl.constexpr, JOINT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -97,17 +108,34 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stri
         # GEMV then loads its first tile during this one's tail, not earlier, where its waiting programs would
         # hold SM slots that this one's later waves need.
         gdc_launch_dependents()
-    y = tl.sum(acc, axis=2)
+    # One reduction over K for all the sums a program needs: each separate one costs its own barrier round,
+    # and at one or two rows per program that is what the program's time goes to after the weight stream.
+    if JOINT:
+        if PRE_NORM:
+            sqb = tl.broadcast_to(sq[:, None, :], (BLOCK_M, BLOCK_N, BLOCK_K))
+            if SILU_MUL:
+                y, up, ss = tl.reduce((acc, acc_up, sqb), 2, _add3)
+            else:
+                y, ss = tl.reduce((acc, sqb), 2, _add2)
+        elif SILU_MUL:
+            y, up = tl.reduce((acc, acc_up), 2, _add2)
+        else:
+            y = tl.sum(acc, axis=2)
+    else:
+        y = tl.sum(acc, axis=2)
+        if SILU_MUL:
+            up = tl.sum(acc_up, axis=2)
+        if PRE_NORM:
+            ss = tl.broadcast_to(tl.sum(sq, axis=1)[:, None], (BLOCK_M, BLOCK_N))
     if PRE_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
-        y = y * rstd[:, None]
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        y = y * rstd
     out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        up = tl.sum(acc_up, axis=2)
         if PRE_NORM:
-            up = up * rstd[:, None]
+            up = up * rstd
         if HAS_BIAS:
             up += tl.load(b_ptr + up_offset + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         # Round as the unfused path does: projection to the activation dtype, silu to it, then the product.
@@ -152,6 +180,7 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int], norm_eps: 
         x, w, bias if bias is not None else w, out, res, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         res.stride(0), n, 1e-6 if norm_eps is None else norm_eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PRE_NORM=norm_eps is not None, ADD_RES=residual is not None,
+        JOINT=JOINT_REDUCE,
         EVEN_K=k % block_k == 0, BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **pdl_args(x.device))
     return out

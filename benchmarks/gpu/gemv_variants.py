@@ -1,6 +1,7 @@
 """The batch-1 GEMV of each Llama-3.1-8B projection in its plain, norm-fused (PRE_NORM) and residual-fused
 (ADD_RES) forms, timed as the tuner times them (back to back in a CUDA graph, weights streamed from HBM), for
-every M=1 config: does a fusion cost bandwidth?
+every M=1 config, with one tuple reduction per program and with one reduction per sum: does a fusion cost
+bandwidth?
 
     python benchmarks/gpu/gemv_variants.py [--out gemv_variants.json]
 """
@@ -11,6 +12,7 @@ import json
 
 import torch
 
+import radixlm.kernels.gemv as gemv_mod
 from radixlm.kernels.gemv import CONFIGS, _launch, _time_calls
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (28672, 4096, True),
@@ -34,9 +36,14 @@ def main() -> None:
             variants = {"plain": {}, "norm": {"norm_eps": 1e-5}}
             if not fused:
                 variants["residual"] = {"residual": res}
-            for label, kw in variants.items():
-                t = _time_calls([lambda c=c, kw=kw: _launch(x, c, None, fused, cfg, **kw) for c in copies])
-                row[label + "_us"] = round(t * 1e3, 2)
+            for joint in (True, False):  # one tuple reduction per program, or one reduction per sum
+                gemv_mod.JOINT_REDUCE = joint
+                for label, kw in variants.items():
+                    if not joint and label == "residual":
+                        continue
+                    t = _time_calls([lambda c=c, kw=kw: _launch(x, c, None, fused, cfg, **kw) for c in copies])
+                    row[label + ("_us" if joint else "_separate_us")] = round(t * 1e3, 2)
+            gemv_mod.JOINT_REDUCE = True
             rows.append(row)
             print(row, flush=True)
         del copies
