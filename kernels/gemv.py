@@ -7,11 +7,6 @@ accumulating in fp32 on the CUDA cores. `gemv_silu_mul` also fuses the MLP activ
 projection: each program reads a band of gate rows and the matching up rows, and writes silu(gate) * up.
 Whether they beat cuBLAS depends on the shape and the GPU, so `GemvTuner` times both per (N, K, M) at start-up
 and the ops use the kernel only where it measured faster.
-
-Two more fusions remove the RMSNorm kernels from a batch-1 step (srt/models/llama.py, `fold_norm_weights`):
-with the norm's weight folded into W (W' = W diag(w)), the projection that reads a norm's output computes
-y = rstd * (W' h) from the un-normed h it streams anyway, summing h^2 on the way (`PRE_NORM`); and the
-projection that writes into the residual stream adds the residual in its epilogue (`ADD_RES`).
 """
 from __future__ import annotations
 
@@ -25,7 +20,6 @@ from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, t
 logger = logging.getLogger(__name__)
 
 MAX_M = 8
-JOINT_REDUCE = True  # one tuple reduction for all of a program's sums (benchmarks/gpu/gemv_variants.py A/Bs it)
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,12 +29,6 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None)
 def gemv_silu_mul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     gate, up = F.linear(x, w, bias).chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight (it is folded into the next projection), rounded to x's dtype."""
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @triton.jit
@@ -59,19 +47,8 @@ def _load_x(rows, k0, K, rk, m_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _add2(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
-def _add3(a0, b0, c0, a1, b1, c1):
-    return a0 + a1, b0 + b1, c0 + c1
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm,
-                 up_offset, eps, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PRE_NORM: tl.constexpr,
-                 ADD_RES: tl.constexpr, JOINT: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, up_offset,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -94,58 +71,28 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stri
     acc = x[:, None, :] * w.to(tl.float32)[None, :, :]
     if SILU_MUL:
         acc_up = x[:, None, :] * u.to(tl.float32)[None, :, :]
-    if PRE_NORM:  # every program streams all of x: its sum of squares costs no extra load
-        sq = x * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
         x = _load_x(x_rows, k0, K, rk, m_mask, EVEN_K)
         acc += x[:, None, :] * _load_w(w_rows, k0, K, rk, n_mask, EVEN_K).to(tl.float32)[None, :, :]
         if SILU_MUL:
             acc_up += x[:, None, :] * _load_w(u_rows, k0, K, rk, n_mask, EVEN_K).to(tl.float32)[None, :, :]
-        if PRE_NORM:
-            sq += x * x
     if USE_PDL:
         # The next kernel may launch once every program of this one is past its weight stream: a GEMV after a
-        # GEMV then loads its first tile during this one's tail, not earlier, where its waiting programs would
-        # hold SM slots that this one's later waves need.
+        # GEMV (down after gate_up) then loads its first tile during this one's tail, not while this one's
+        # later waves still need the SM slots its waiting programs would hold.
         gdc_launch_dependents()
-    # One reduction over K for all the sums a program needs: each separate one costs its own barrier round,
-    # and at one or two rows per program that is what the program's time goes to after the weight stream.
-    if JOINT:
-        if PRE_NORM:
-            sqb = tl.broadcast_to(sq[:, None, :], (BLOCK_M, BLOCK_N, BLOCK_K))
-            if SILU_MUL:
-                y, up, ss = tl.reduce((acc, acc_up, sqb), 2, _add3)
-            else:
-                y, ss = tl.reduce((acc, sqb), 2, _add2)
-        elif SILU_MUL:
-            y, up = tl.reduce((acc, acc_up), 2, _add2)
-        else:
-            y = tl.sum(acc, axis=2)
-    else:
-        y = tl.sum(acc, axis=2)
-        if SILU_MUL:
-            up = tl.sum(acc_up, axis=2)
-        if PRE_NORM:
-            ss = tl.broadcast_to(tl.sum(sq, axis=1)[:, None], (BLOCK_M, BLOCK_N))
-    if PRE_NORM:
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-        y = y * rstd
+    y = tl.sum(acc, axis=2)
     out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        if PRE_NORM:
-            up = up * rstd
+        up = tl.sum(acc_up, axis=2)
         if HAS_BIAS:
             up += tl.load(b_ptr + up_offset + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         # Round as the unfused path does: projection to the activation dtype, silu to it, then the product.
         gate = y.to(out_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
         y = act * up.to(out_ty).to(tl.float32)
-    if ADD_RES:  # round the projection first, as the unfused add of two activation tensors does
-        res = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=m_mask[:, None] & n_mask[None, :],
-                      other=0.0)
-        y = y.to(out_ty).to(tl.float32) + res.to(tl.float32)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -164,8 +111,7 @@ def _block_m(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
 
-def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int], norm_eps: float | None = None,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     if silu_mul:
@@ -175,32 +121,25 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int], norm_eps: 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, bias if bias is not None else w, out, res, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        res.stride(0), n, 1e-6 if norm_eps is None else norm_eps,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PRE_NORM=norm_eps is not None, ADD_RES=residual is not None,
-        JOINT=JOINT_REDUCE,
-        EVEN_K=k % block_k == 0, BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **pdl_args(x.device))
+        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), n,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_M=_block_m(m),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_args(x.device))
     return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None, *, norm_eps: float | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 8), w [N, K] contiguous rows -> [M, N]. With `norm_eps`: rms(x) @ w.T (the norm's
-    weight folded into w); with `residual` [M, N]: + residual, each term rounded to x's dtype first."""
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8), w [N, K] contiguous rows -> [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1
-    return _launch(x, w, bias, False, config or CONFIGS[_block_m(x.shape[0])][0], norm_eps, residual)
+    return _launch(x, w, bias, False, config or CONFIGS[_block_m(x.shape[0])][0])
 
 
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int] | None = None, *, norm_eps: float | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 8), w [2N, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, N];
-    with `norm_eps`, rms(x) in place of x."""
+                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8), w [2N, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1 and w.shape[0] % 2 == 0
-    return _launch(x, w, bias, True, config or CONFIGS[_block_m(x.shape[0])][0], norm_eps)
+    return _launch(x, w, bias, True, config or CONFIGS[_block_m(x.shape[0])][0])
 
 
 class GemvTuner:

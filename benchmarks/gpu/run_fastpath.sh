@@ -5,7 +5,7 @@
 #   check    every attention backend vs transformers and each other; graphs vs eager, overlap on/off, mixed
 #   decode   decode step times per backend (graphs + eager) beside the plain PyTorch CUDA-graph step
 #   pdl      batch-1/32 decode with programmatic dependent launch on, off, on (RADIXLM_PDL)
-#   ab       the same with any switch (AB_ENV, default RADIXLM_FUSED_NORMS) on, off, on
+#   ab       the same with any switch (AB_ENV, default RADIXLM_PDL) on, off, on
 #   offline  bench_offline random 256 x 512/256 and ShareGPT-like 1000
 #   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
 #   cudatests  engine, scheduler, sampler, piecewise tests on CUDA with the SmolLM2 GGUF (CUDATESTS overrides)
@@ -89,8 +89,8 @@ if stage pdl; then  # programmatic dependent launch on / off / on (drift shows b
     pack decode
   done
 fi
-if stage ab; then  # AB_ENV (default RADIXLM_FUSED_NORMS) =1 / 0 / 1: batch-1/32 decode per backend
-  V=${AB_ENV:-RADIXLM_FUSED_NORMS}
+if stage ab; then  # AB_ENV (default RADIXLM_PDL) =1 / 0 / 1: batch-1/32 decode per backend
+  V=${AB_ENV:-RADIXLM_PDL}
   timeout $(left) python .gpu-bundle/plain_graph_decode.py 1024 512 1,32 2>&1 | tee /tmp/r/decode/plain_graph_ab.txt
   for b in ${AB_BACKENDS:-triton flashinfer}; do
     fi_ready $b

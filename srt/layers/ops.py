@@ -29,35 +29,6 @@ class KernelOps:
     gate_up_silu: Callable[..., torch.Tensor] = lambda x, w, b: silu_and_mul_ref(F.linear(x, w, b))
     # Times the skinny-matmul kernels against cuBLAS for the model's shapes (CUDA sets only).
     tuner: object | None = None
-    # The GEMV with a norm or residual add fused in, for a batch-1 step (CUDA sets only).
-    fusions: "SkinnyFusions | None" = None
-
-
-class SkinnyFusions:
-    """Projections with the RMSNorm before them or the residual add after them fused in (kernels/gemv.py),
-    for the batch sizes where the tuner picked our GEMV over cuBLAS. The norm variants expect the norm's
-    weight folded into the projection's (`LlamaForCausalLM.fold_norm_weights`)."""
-
-    def __init__(self, tuner):
-        self.tuner = tuner
-
-    def covers(self, m: int, w: torch.Tensor, silu_mul: bool = False) -> bool:
-        return self.tuner.lookup(m, w, silu_mul) is not None
-
-    def norm_linear(self, x, w, b, eps: float) -> torch.Tensor:
-        from radixlm.kernels.gemv import gemv
-
-        return gemv(x, w, b, self.tuner.lookup(x.shape[0], w, False), norm_eps=eps)
-
-    def norm_gate_up_silu(self, x, w, b, eps: float) -> torch.Tensor:
-        from radixlm.kernels.gemv import gemv_silu_mul
-
-        return gemv_silu_mul(x, w, b, self.tuner.lookup(x.shape[0], w, True), norm_eps=eps)
-
-    def linear_residual(self, x, w, b, residual: torch.Tensor) -> torch.Tensor:
-        from radixlm.kernels.gemv import gemv
-
-        return gemv(x, w, b, self.tuner.lookup(x.shape[0], w, False), residual=residual)
 
 
 TORCH_OPS = KernelOps("torch", rmsnorm_ref, fused_add_rmsnorm_ref, silu_and_mul_ref, rope_and_store_ref)
@@ -88,7 +59,7 @@ def triton_ops() -> KernelOps:
 
     linear, gate_up_silu, tuner = _skinny_linears(silu_and_mul)
     return KernelOps("triton", rmsnorm, fused_add_rmsnorm_, silu_and_mul, rope_and_store, linear, gate_up_silu,
-                     tuner, SkinnyFusions(tuner))
+                     tuner)
 
 
 def flashinfer_ops() -> KernelOps:
@@ -104,8 +75,7 @@ def flashinfer_ops() -> KernelOps:
 
     linear, gate_up_silu, tuner = _skinny_linears(flashinfer.activation.silu_and_mul)
     return KernelOps("flashinfer", lambda x, w, eps: flashinfer.norm.rmsnorm(x, w, eps), fused_add,
-                     flashinfer.activation.silu_and_mul, rope_and_store, linear, gate_up_silu, tuner,
-                     SkinnyFusions(tuner))
+                     flashinfer.activation.silu_and_mul, rope_and_store, linear, gate_up_silu, tuner)
 
 
 def select_kernel_ops(name: str, device: torch.device) -> KernelOps:

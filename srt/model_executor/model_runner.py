@@ -4,7 +4,6 @@ launches its sampling and the one device->host copy of the results; neither wait
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -94,9 +93,6 @@ class ModelRunner:
             for line in tune_skinny_linears(self.kernel_ops, self.model):
                 logger.info("skinny matmul: %s", line)
             logger.info("skinny matmul tuning took %.1f s", time.perf_counter() - t0)
-            if os.environ.get("RADIXLM_FUSED_NORMS", "1") != "0" and self.model.fold_norm_weights():
-                logger.info("batch-1 steps run the norms and residual adds inside the projections "
-                            "(RMSNorm weights folded into qkv_proj and gate_up_proj)")
             if self.attn_backend.supports_cuda_graph and not args.disable_cuda_graph:
                 from radixlm.srt.model_executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
 

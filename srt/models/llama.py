@@ -35,10 +35,7 @@ class Attention(nn.Module):
     def qkv_rope_store(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """The projection, q/k norm (Qwen3) and rotary on q and k, k and v into the pool (one kernel where one
         exists); returns the rotated q [T, heads, head_dim]."""
-        return self.rope_store(positions, self.qkv_proj(x), fb)
-
-    def rope_store(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(-1, self.h, self.d), k.view(-1, self.kvh, self.d), v.view(-1, self.kvh, self.d)
         pool = fb.token_to_kv_pool
         return self.ops.rope_and_store(positions, q, k, v, self.rotary.cos_sin, pool.k_buffer[self.layer_id],
@@ -103,44 +100,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The flat CPU loop over the same weights (llama_cpu.py), when the runner turned it on.
         self.cpu_path: CpuDecoderPath | None = None
-        # Set by LlamaForCausalLM.fold_norm_weights: the layers' norm weights live in qkv_proj / gate_up_proj.
-        self.norms_folded = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if self.cpu_path is not None:
             return self.cpu_path.forward(input_ids, positions, fb)
         x = self.embed_tokens(input_ids)
-        if self.norms_folded and self.fused_projections_cover(x.shape[0]):
-            return self._forward_fused(x, positions, fb)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, fb)
         x, _ = self.norm(x, residual)
         return x
-
-    def fused_projections_cover(self, tokens: int) -> bool:
-        """Whether every projection of a `tokens`-row step runs as our GEMV, with the norms and residual adds
-        fused in (a batch-1 decode step: no RMSNorm kernels, two fewer passes over the hidden state per layer)."""
-        f = self.norm.ops.fusions
-        layer = self.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return (f is not None and all(lin.quant is None for lin in linears)
-                and all(f.covers(tokens, lin.weight, lin is mlp.gate_up_proj) for lin in linears))
-
-    def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """The layers over the residual stream h alone: each norm happens inside the projection that reads it,
-        each residual add inside the projection that writes it (numerically the unfused path up to rounding)."""
-        f = self.norm.ops.fusions
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = f.norm_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, layer.input_layernorm.eps)
-            out = attn.attn(attn.rope_store(positions, qkv, fb), fb)
-            h = f.linear_residual(out, attn.o_proj.weight, attn.o_proj.bias, h)
-            act = f.norm_gate_up_silu(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                      layer.post_attention_layernorm.eps)
-            h = f.linear_residual(act, mlp.down_proj.weight, mlp.down_proj.bias, h)
-        return self.norm(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,26 +139,6 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
         if ops.name != "torch":  # the flat CPU loop has its own kernels: another set means the module path
             self.model.cpu_path = None
-
-    @torch.inference_mode()
-    def fold_norm_weights(self) -> bool:
-        """Fold each layer's two RMSNorm weights into the projection that reads the norm's output
-        (W <- W diag(w), the norm's weight <- 1), when the kernel set can then run a batch-1 step with the norms
-        inside the projections (LlamaModel._forward_fused). Every other path computes the same function from
-        the folded weights. False (nothing changed) when that step would not run: no GEMV fusions in this
-        kernel set, quantized projections, or the tuner kept cuBLAS for a projection at batch 1."""
-        m = self.model
-        if m.norms_folded or not m.fused_projections_cover(1):
-            return False
-        for layer in m.layers:
-            for norm, lin in ((layer.input_layernorm, layer.self_attn.qkv_proj),
-                              (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
-                w = norm.weight.float()[None, :]
-                for rows in lin.weight.split(4096):  # in slices: a float32 copy of gate_up is about 1 GB
-                    rows.copy_((rows.float() * w).to(rows.dtype))
-                norm.weight.fill_(1.0)
-        m.norms_folded = True
-        return True
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -22,6 +22,7 @@ def _triton_engine(path, **kw):
     engine = radixlm.Engine(str(path), log_level="warning", max_total_tokens=2048, attention_backend="triton",
                             device=DEVICE, dtype="float32", **kw)
     engine.runner.model.set_kernel_ops(triton_ops())  # on CPU the runner would pick the torch references
+    assert engine.runner.model.model.cpu_path is None  # the module path runs, not the flat CPU loop
     return engine
 
 
@@ -67,32 +68,3 @@ def test_backend_resolution():
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.float32) == "triton"  # FlashInfer has no fp32
     with pytest.raises(ValueError, match="float16 and bfloat16"):
         resolve_backend("flashinfer", "cuda", head_dim=64, dtype=torch.float32)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_batch1_step_with_norms_inside_the_projections(tiny_dirs, arch, monkeypatch):
-    """Folding the RMSNorm weights into qkv/gate_up and running a 1-token step through the GEMV with the norm
-    and the residual add fused in gives the unfused step's logits; longer steps (the unfused path over the
-    folded weights) and greedy decoding are unchanged too."""
-    from radixlm.kernels.gemv import CONFIGS
-
-    monkeypatch.setenv("RADIXLM_FUSED_NORMS", "0")  # on CUDA the runner would fold at start-up: fold here
-    engine = _triton_engine(tiny_dirs[arch])
-    model = engine.runner.model
-    tuner = model.model.norm.ops.tuner
-    # CPU has no tuning pass: pick the GEMV for every projection at batch 1, as the H100's tuner does.
-    layer = model.model.layers[0]
-    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        tuner.choice[(*lin.weight.shape, lin is layer.mlp.gate_up_proj, 1)] = CONFIGS[1][0]
-    before_step = forward_logits(engine, IDS, split=len(IDS) - 1)[-1]
-    before_whole = forward_logits(engine, IDS)
-    before_gen = [o["output_ids"] for o in engine.generate(input_ids=[IDS[:9]], sampling_params=GREEDY)]
-    assert model.fold_norm_weights()
-    assert model.model.fused_projections_cover(1) and not model.model.fused_projections_cover(2)
-    assert all(bool((layer.input_layernorm.weight == 1).all()) for layer in model.model.layers)
-    step = forward_logits(engine, IDS, split=len(IDS) - 1)[-1]
-    assert ((step - before_step).norm() / before_step.norm()).item() < 1e-4
-    whole = forward_logits(engine, IDS)
-    assert ((whole - before_whole).norm() / before_whole.norm()).item() < 1e-4
-    assert [o["output_ids"] for o in engine.generate(input_ids=[IDS[:9]], sampling_params=GREEDY)] == before_gen
-    assert not model.fold_norm_weights()  # once only
