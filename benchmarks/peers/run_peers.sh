@@ -15,7 +15,7 @@ PEER_SITE=${PEER_SITE:-/tmp/vllm-site}
 MEM=0.85; CTX=8192; PORT=${PORT:-30000}; CFG=benchmarks/configs/llama-3.1-8b
 mkdir -p "$DEST"
 exec > >(tee -a "$DEST/${ENGINE}_log.txt") 2>&1
-source .gpu-bundle/activate  # our server, the tokenizer builder and the benchmark client (httpx) use the bundle
+source .gpu-bundle/activate  # our server, the tokenizer builder and the benchmark client (aiohttp) use the bundle
 BUNDLE_PATH=$PYTHONPATH
 TOK=/tmp/tok_full
 [ -d $TOK ] || python benchmarks/gpu/full_vocab_tokenizer.py .gpu-bundle/tokenizer $TOK 128256 > /dev/null
