@@ -4,8 +4,8 @@
 #   test     Triton kernels, backends, scheduler and model tests on CUDA (tiny checkpoints)
 #   check    every attention backend vs transformers and each other; graphs vs eager, overlap on/off, mixed
 #   decode   decode step times per backend (graphs + eager) beside the plain PyTorch CUDA-graph step
-#   pdl      batch-1/32 decode with programmatic dependent launch on, off, on (RADIXLM_PDL)
-#   ab       the same with any switch (AB_ENV, default RADIXLM_PDL) on, off, on
+#   ab       batch-1/32 decode with a switch (AB_ENV, default RADIXLM_PDL: programmatic dependent launch) on,
+#            off, on, the plain graph step beside; `pdl` is the same stage
 #   offline  bench_offline random 256 x 512/256 and ShareGPT-like 1000
 #   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
 #   cudatests  engine, scheduler, sampler, piecewise tests on CUDA with the SmolLM2 GGUF (CUDATESTS overrides)
@@ -44,7 +44,7 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode pdl ab offline serving cudatests smolcheck fibisect programs quicktest serve itl diag profile
+# Stages run in this order: test check decode ab offline serving cudatests smolcheck fibisect programs quicktest serve itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -75,21 +75,7 @@ if stage decode; then
     pack decode
   done
 fi
-if stage pdl; then  # programmatic dependent launch on / off / on (drift shows between the two "on" rows)
-  timeout $(left) python .gpu-bundle/plain_graph_decode.py 1024 512 1,32 2>&1 | tee /tmp/r/decode/plain_graph_pdl.txt
-  for b in ${PDL_BACKENDS:-triton flashinfer}; do
-    fi_ready $b
-    for run in on1 off on2; do
-      pdl=1; [ $run = off ] && pdl=0
-      echo "== pdl $run $b ($(left) s left)"
-      RADIXLM_PDL=$pdl timeout $(left) python benchmarks/bench_decode.py --model-path $CFG --load-format dummy \
-        --tokenizer-path $TOK --attention-backend $b --batch-sizes 1 32 --context 512 \
-        --out /tmp/r/decode/pdl_${run}_$b.json 2>&1 | grep -v -i warn
-    done
-    pack decode
-  done
-fi
-if stage ab; then  # AB_ENV (default RADIXLM_PDL) =1 / 0 / 1: batch-1/32 decode per backend
+if stage ab || stage pdl; then  # AB_ENV (default RADIXLM_PDL) =1 / 0 / 1: batch-1/32 decode per backend
   V=${AB_ENV:-RADIXLM_PDL}
   timeout $(left) python .gpu-bundle/plain_graph_decode.py 1024 512 1,32 2>&1 | tee /tmp/r/decode/plain_graph_ab.txt
   for b in ${AB_BACKENDS:-triton flashinfer}; do
