@@ -8,6 +8,7 @@ import time
 import traceback
 
 import msgspec
+import torch
 import zmq
 
 from radixlm.srt.errors import RadixLMError
@@ -36,6 +37,11 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
                             context_length=args.context_length, served_model_name=args.served_model_name,
                             load_format=args.load_format, quantization=args.quantization)
         runner = ModelRunner(loaded, args)
+        if runner.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+            # Host tensors here are bookkeeping (slot lists, sampling parameters). A pool of OpenMP threads
+            # spinning after each parallel op would take cores from the other server processes and stall this
+            # loop (as vLLM, one thread unless the operator says otherwise).
+            torch.set_num_threads(1)
         scheduler = Scheduler(runner, loaded.tokenizer, args)
     except Exception as e:  # report why, then exit non-zero: the launcher shows the message
         ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
