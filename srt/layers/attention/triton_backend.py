@@ -13,12 +13,18 @@ from radixlm.kernels.decode_attention import decode_attention, decode_num_splits
 from radixlm.kernels.extend_attention import extend_attention
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
+from radixlm.srt.utils import to_device
 
 
 @dataclass
 class TritonMetadata:
     num_splits: int = 1  # decode: KV splits per request (fixed per batch size, so graphs can capture it)
     max_extend_len: int = 0  # extend: sizes the grid
+    # Extend batches with one-token rows (decodes riding along a prompt chunk): those rows go through the
+    # decode kernel, whose program per (row, KV head, split) does not pay for a block of empty query rows.
+    single_rows: torch.Tensor | None = None  # their request indices in the batch
+    single_tokens: torch.Tensor | None = None  # and their token indices
+    multi_rows: torch.Tensor | None = None  # the rows left for the extend kernel (None: every row)
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -40,8 +46,24 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode:
             fb.attn_metadata = TritonMetadata(num_splits=self._splits(fb.batch_size))
-        else:
+            return
+        lens = fb.extend_seq_lens_cpu or []
+        single = [i for i, n in enumerate(lens) if n == 1]
+        if not single:
             fb.attn_metadata = TritonMetadata(max_extend_len=fb.max_extend_len)
+            return
+        starts, acc = [], 0
+        for n in lens:
+            starts.append(acc)
+            acc += n
+        multi = [i for i, n in enumerate(lens) if n != 1]
+        dev = fb.extend_seq_lens.device
+        idx = to_device(torch.tensor(single + [starts[i] for i in single] + multi, dtype=torch.int64), dev)
+        k = len(single)
+        fb.attn_metadata = TritonMetadata(
+            num_splits=decode_num_splits(k, self.num_kv_heads, self.num_sms),
+            max_extend_len=max((lens[i] for i in multi), default=1),
+            single_rows=idx[:k], single_tokens=idx[k:2 * k], multi_rows=idx[2 * k:] if multi else idx[:0])
 
     def init_forward_metadata_capture(self, bs: int, fb: ForwardBatch) -> None:
         fb.attn_metadata = TritonMetadata(num_splits=self._splits(bs))
@@ -58,8 +80,21 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
-        out = extend_attention(q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
-                               fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
-                               fb.extend_seq_lens, fb.extend_start_loc, fb.attn_metadata.max_extend_len,
-                               layer.scaling)
+        k_cache, v_cache = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        r2t = fb.req_to_token_pool.req_to_token
+        md = fb.attn_metadata
+        if md.single_rows is None:
+            out = extend_attention(q, k_cache, v_cache, r2t, fb.req_pool_indices, fb.extend_prefix_lens,
+                                   fb.extend_seq_lens, fb.extend_start_loc, md.max_extend_len, layer.scaling)
+            return out.view(q.shape[0], -1)
+        out = torch.empty_like(q)
+        one = decode_attention(q.index_select(0, md.single_tokens), k_cache, v_cache, r2t,
+                               fb.req_pool_indices.index_select(0, md.single_rows),
+                               fb.seq_lens.index_select(0, md.single_rows), layer.scaling, md.num_splits)
+        out.index_copy_(0, md.single_tokens, one)
+        if md.multi_rows.numel():
+            rows = md.multi_rows
+            extend_attention(q, k_cache, v_cache, r2t, fb.req_pool_indices.index_select(0, rows),
+                             fb.extend_prefix_lens.index_select(0, rows), fb.extend_seq_lens.index_select(0, rows),
+                             fb.extend_start_loc.index_select(0, rows), md.max_extend_len, layer.scaling, out=out)
         return out.view(q.shape[0], -1)
