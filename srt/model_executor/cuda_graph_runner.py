@@ -8,6 +8,7 @@ at position 0 from the dummy request row into KV slot 0 (the reserved padding sl
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 
@@ -43,9 +44,8 @@ class CudaGraphRunner:
         self.fbs: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._rings: dict[int, list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event]]] = {}
-        self._ring_next: dict[int, int] = {}
-        self._pad_column = np.array([[0], [0], [self.dummy_row], [1], [0]], dtype=np.int64)
+        self._rings: dict[int, itertools.cycle] = {}  # per size: (pinned buffer, its numpy view, copy event)
+        self._pad_column = np.array(self._padding(1), dtype=np.int64)
         self.backend.init_cuda_graph_state(self.max_bs)
         if hasattr(self.backend, "graph_bucket"):
             self.backend.graph_bucket = self.bucket
@@ -95,11 +95,9 @@ class CudaGraphRunner:
         time before the replay is time the GPU waits."""
         ring = self._rings.get(gbs)
         if ring is None:
-            ring = self._rings[gbs] = [(buf, buf.numpy(), torch.cuda.Event()) for buf in
-                                       (torch.empty(5, gbs, dtype=torch.int64, pin_memory=True)
-                                        for _ in range(_RING))]
-        self._ring_next[gbs] = (self._ring_next.get(gbs, -1) + 1) % _RING
-        host, fill, done = ring[self._ring_next[gbs]]
+            bufs = [torch.empty(5, gbs, dtype=torch.int64, pin_memory=True) for _ in range(_RING)]
+            ring = self._rings[gbs] = itertools.cycle([(buf, buf.numpy(), torch.cuda.Event()) for buf in bufs])
+        host, fill, done = next(ring)
         done.synchronize()  # long done: the copy ran before the replay _RING steps ago
         return host, fill, done
 

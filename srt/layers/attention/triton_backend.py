@@ -22,9 +22,9 @@ class TritonMetadata:
     max_extend_len: int = 0  # extend: sizes the grid
     # Extend batches with one-token rows (decodes riding along a prompt chunk): those rows go through the
     # decode kernel, whose program per (row, KV head, split) does not pay for a block of empty query rows.
-    single_rows: torch.Tensor | None = None  # their request indices in the batch
-    single_tokens: torch.Tensor | None = None  # and their token indices
-    multi_rows: torch.Tensor | None = None  # the rows left for the extend kernel (None: every row)
+    # Both subsets are selected once per forward, not once per layer.
+    single: tuple[torch.Tensor, ...] | None = None  # (token indices, req_pool_indices, seq_lens)
+    multi: tuple[torch.Tensor, ...] | None = None  # (req_pool_indices, prefix lens, extend lens, start locs)
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -52,18 +52,15 @@ class TritonAttnBackend(AttentionBackend):
         if not single:
             fb.attn_metadata = TritonMetadata(max_extend_len=fb.max_extend_len)
             return
-        starts, acc = [], 0
-        for n in lens:
-            starts.append(acc)
-            acc += n
         multi = [i for i, n in enumerate(lens) if n != 1]
-        dev = fb.extend_seq_lens.device
-        idx = to_device(torch.tensor(single + [starts[i] for i in single] + multi, dtype=torch.int64), dev)
-        k = len(single)
+        idx = to_device(torch.tensor(single + multi, dtype=torch.int64), fb.extend_seq_lens.device)
+        one, rest = idx[:len(single)], idx[len(single):]
         fb.attn_metadata = TritonMetadata(
-            num_splits=decode_num_splits(k, self.num_kv_heads, self.num_sms),
+            num_splits=decode_num_splits(len(single), self.num_kv_heads, self.num_sms),
             max_extend_len=max((lens[i] for i in multi), default=1),
-            single_rows=idx[:k], single_tokens=idx[k:2 * k], multi_rows=idx[2 * k:] if multi else idx[:0])
+            single=tuple(t.index_select(0, one) for t in (fb.extend_start_loc, fb.req_pool_indices, fb.seq_lens)),
+            multi=tuple(t.index_select(0, rest) for t in (fb.req_pool_indices, fb.extend_prefix_lens,
+                                                          fb.extend_seq_lens, fb.extend_start_loc)) if multi else None)
 
     def init_forward_metadata_capture(self, bs: int, fb: ForwardBatch) -> None:
         fb.attn_metadata = TritonMetadata(num_splits=self._splits(bs))
@@ -83,18 +80,14 @@ class TritonAttnBackend(AttentionBackend):
         k_cache, v_cache = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
         r2t = fb.req_to_token_pool.req_to_token
         md = fb.attn_metadata
-        if md.single_rows is None:
+        if md.single is None:
             out = extend_attention(q, k_cache, v_cache, r2t, fb.req_pool_indices, fb.extend_prefix_lens,
                                    fb.extend_seq_lens, fb.extend_start_loc, md.max_extend_len, layer.scaling)
             return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
-        one = decode_attention(q.index_select(0, md.single_tokens), k_cache, v_cache, r2t,
-                               fb.req_pool_indices.index_select(0, md.single_rows),
-                               fb.seq_lens.index_select(0, md.single_rows), layer.scaling, md.num_splits)
-        out.index_copy_(0, md.single_tokens, one)
-        if md.multi_rows.numel():
-            rows = md.multi_rows
-            extend_attention(q, k_cache, v_cache, r2t, fb.req_pool_indices.index_select(0, rows),
-                             fb.extend_prefix_lens.index_select(0, rows), fb.extend_seq_lens.index_select(0, rows),
-                             fb.extend_start_loc.index_select(0, rows), md.max_extend_len, layer.scaling, out=out)
+        tokens, rows, seq_lens = md.single
+        out.index_copy_(0, tokens, decode_attention(q.index_select(0, tokens), k_cache, v_cache, r2t, rows, seq_lens,
+                                                    layer.scaling, md.num_splits))
+        if md.multi is not None:
+            extend_attention(q, k_cache, v_cache, r2t, *md.multi, md.max_extend_len, layer.scaling, out=out)
         return out.view(q.shape[0], -1)
