@@ -1,24 +1,28 @@
 """Decode captured in CUDA graphs, one per batch size on a ladder up to `--cuda-graph-max-bs`.
 
 Each graph reads only its own static buffers (input ids, positions, request rows, sequence lengths, KV slots:
-one [5, bs] int64 tensor filled by one host->device copy) and the attention backend's captured metadata,
-refreshed before each replay. A live batch is padded to the next captured size: padding rows decode token 0
-at position 0 from the dummy request row into KV slot 0 (the reserved padding slot), and are dropped.
+one [5, bs] int64 tensor) and the attention backend's captured metadata, refreshed before each replay. The
+host writes a replay's inputs into the next slot of a ring of pinned buffers; the graph's first kernel reads
+that slot itself (kernels/graph_inputs.py), so a replay costs the host a few numpy stores and the launch. A
+backend whose replay metadata reads the inputs on the device (FlashInfer plans from them) gets the same kernel
+launched eagerly before that metadata instead. A live batch is padded to the next captured size: padding rows
+decode token 0 at position 0 from the dummy request row into KV slot 0 (the reserved padding slot), and are
+dropped.
 """
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import time
 
 import numpy as np
 import torch
 
+from radixlm.kernels.graph_inputs import pull_inputs
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
-_RING = 3  # pinned input buffers per graph size; under overlap scheduling at most two copies are in flight
+_RING = 3  # pinned input slots per graph size; under overlap scheduling at most two replays are in flight
 
 
 def default_cuda_graph_max_bs(device: torch.device) -> int:
@@ -44,15 +48,33 @@ class CudaGraphRunner:
         self.fbs: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._rings: dict[int, itertools.cycle] = {}  # per size: (pinned buffer, its numpy view, copy event)
+        self.future_map = runner.future_map
+        self.inputs_in_graph = not self.backend.replay_reads_inputs
+        # Per size: the pinned input ring [_RING, 5, bs] and its numpy view, the device's count of replays
+        # (which slot the next one reads), the host's count, and per slot an event recorded after the replay
+        # that read it (the slot is free again once it has run).
+        self._ring: dict[int, torch.Tensor] = {}
+        self._fill: dict[int, np.ndarray] = {}
+        self._counter: dict[int, torch.Tensor] = {}
+        self._turn: dict[int, int] = {}
+        self._read: dict[int, list[torch.cuda.Event]] = {}
         self._pad_column = np.array(self._padding(1), dtype=np.int64)
         self.backend.init_cuda_graph_state(self.max_bs)
         if hasattr(self.backend, "graph_bucket"):
             self.backend.graph_bucket = self.bucket
         for bs in self.sizes:
-            self.static[bs] = torch.tensor(self._padding(bs), dtype=torch.int64).to(dev)
+            pad = torch.tensor(self._padding(bs), dtype=torch.int64)
+            self.static[bs] = pad.to(dev)
+            self._ring[bs] = pad.expand(_RING, 5, bs).contiguous().pin_memory()
+            self._fill[bs] = self._ring[bs].numpy()
+            self._counter[bs] = torch.zeros(1, dtype=torch.int64, device=dev)
+            self._read[bs] = [torch.cuda.Event() for _ in range(_RING)]
             self.fbs[bs] = self._forward_batch(bs)
         self._capture()
+        for bs in self.sizes:  # the warm-up runs advanced the device's counts
+            self._counter[bs].zero_()
+            self._turn[bs] = 0
+        torch.cuda.synchronize(dev)
 
     def _padding(self, n: int) -> list[list[int]]:
         return [[0] * n, [0] * n, [self.dummy_row] * n, [1] * n, [0] * n]
@@ -77,11 +99,11 @@ class CudaGraphRunner:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile and warm every kernel outside the capture
-                        self.runner.model(fb)
+                        self._body(bs)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = self.runner.model(fb)
+                    self.outputs[bs] = self._body(bs)
                 pool = graph.pool()
                 self.graphs[bs] = graph
         torch.cuda.synchronize(self.runner.device)
@@ -89,17 +111,13 @@ class CudaGraphRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GB", len(self.sizes),
                     self.sizes[0], self.max_bs, time.perf_counter() - start, used / 1e9)
 
-    def _staging(self, gbs: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event]:
-        """The next pinned [5, gbs] buffer of this size's ring, its numpy view and the event its last copy
-        recorded, once that copy has run. Reused buffers, not one allocation per step: at batch 1 the host's
-        time before the replay is time the GPU waits."""
-        ring = self._rings.get(gbs)
-        if ring is None:
-            bufs = [torch.empty(5, gbs, dtype=torch.int64, pin_memory=True) for _ in range(_RING)]
-            ring = self._rings[gbs] = itertools.cycle([(buf, buf.numpy(), torch.cuda.Event()) for buf in bufs])
-        host, fill, done = next(ring)
-        done.synchronize()  # long done: the copy ran before the replay _RING steps ago
-        return host, fill, done
+    def _body(self, bs: int) -> torch.Tensor:
+        if self.inputs_in_graph:
+            self._pull(bs)
+        return self.runner.model(self.fbs[bs])
+
+    def _pull(self, bs: int) -> None:
+        pull_inputs(self._ring[bs], self._counter[bs], self.static[bs], self.future_map)
 
     def bucket(self, bs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, bs)] if bs <= self.max_bs else bs
@@ -111,27 +129,42 @@ class CudaGraphRunner:
         return fits is None or fits(sum(seq_lens) + self.max_bs)
 
     def replay(self, input_ids: list[int], positions: list[int], rows: list[int], seq_lens: list[int],
-               out_cache_loc: torch.Tensor, future_map: torch.Tensor | None) -> torch.Tensor:
-        """Logits [bs, vocab] (a view of the graph's output buffer, valid until the next replay)."""
+               out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """Logits [bs, vocab] (a view of the graph's output buffer, valid until the next replay). Negative
+        input ids are futures: the token at index -1 - id of the runner's future map."""
         bs = len(seq_lens)
         gbs = self.bucket(bs)
-        pad = gbs - bs
-        host, fill, done = self._staging(gbs)
+        turn = self._turn[gbs]
+        read = self._read[gbs][turn % _RING]
+        read.synchronize()  # long done: the replay _RING turns ago read this slot
+        fill = self._fill[gbs][turn % _RING]
         fill[0, :bs] = input_ids
         fill[1, :bs] = positions
         fill[2, :bs] = rows
         fill[3, :bs] = seq_lens
         fill[4, :bs] = out_cache_loc.numpy()
-        if pad:
+        if gbs > bs:
             fill[:, bs:] = self._pad_column
-        static = self.static[gbs]
-        static.copy_(host, non_blocking=True)
-        done.record()
-        if future_map is not None:
-            ids = static[0]
-            ids.copy_(torch.where(ids < 0, future_map[(-ids - 1).clamp_min(0)], ids))
-        fb = self.fbs[gbs]
-        fb.seq_lens_cpu = list(seq_lens) + [1] * pad
-        self.backend.init_forward_metadata_replay(gbs, fb)
-        self.graphs[gbs].replay()
+        self._launch(gbs, list(seq_lens) + [1] * (gbs - bs))
         return self.outputs[gbs][:bs]
+
+    def relaunch(self, bs: int) -> None:
+        """Replay the graph of `bs` rows again on the inputs of its last replay (benchmarks: the launch alone).
+        A bare `graphs[...].replay()` would desynchronise the host's count of replays from the device's."""
+        gbs = self.bucket(bs)
+        turn = self._turn[gbs]
+        self._read[gbs][turn % _RING].synchronize()
+        self._fill[gbs][turn % _RING] = self._fill[gbs][(turn - 1) % _RING]
+        self._launch(gbs, None)
+
+    def _launch(self, gbs: int, seq_lens_cpu: list[int] | None) -> None:
+        turn = self._turn[gbs]
+        self._turn[gbs] = turn + 1
+        if not self.inputs_in_graph:
+            self._pull(gbs)
+            fb = self.fbs[gbs]
+            if seq_lens_cpu is not None:
+                fb.seq_lens_cpu = seq_lens_cpu
+            self.backend.init_forward_metadata_replay(gbs, fb)
+        self.graphs[gbs].replay()
+        self._read[gbs][turn % _RING].record()

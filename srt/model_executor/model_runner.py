@@ -131,13 +131,12 @@ class ModelRunner:
 
     def run_forward(self, spec: BatchSpec) -> torch.Tensor:
         """A graph replay for decode batches that fit one, else eager."""
-        futures = self.future_map if spec.has_futures() else None
         g = self.graph_runner
         if g is not None and spec.mode is ForwardMode.DECODE and g.can_run(spec.batch_size, spec.seq_lens):
             with torch.inference_mode():
                 return g.replay(spec.input_ids, spec.positions, spec.req_pool_indices, spec.seq_lens,
-                                spec.out_cache_loc, futures)
-        return self.forward(spec.build(self.device, futures))
+                                spec.out_cache_loc)
+        return self.forward(spec.build(self.device, self.future_map if spec.has_futures() else None))
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor | None, info: SamplingBatchInfo | None,

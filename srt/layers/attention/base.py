@@ -14,6 +14,9 @@ class AttentionBackend:
     name = "base"
     # Whether the decode forward reads only tensors, so that CUDA graphs can capture it.
     supports_cuda_graph = False
+    # True where init_forward_metadata_replay reads the graph's input buffers on the device: the decode graph then
+    # fills them before that metadata, not as its own first kernel.
+    replay_reads_inputs = False
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Once per batch, before the first layer (where FlashInfer's `plan` goes)."""

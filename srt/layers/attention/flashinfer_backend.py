@@ -42,6 +42,7 @@ def _indptr(lens: list[int]) -> torch.Tensor:
 class FlashInferAttnBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
+    replay_reads_inputs = True  # the page table is built from the request rows and lengths on the device
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
                  req_to_token: torch.Tensor, max_total_tokens: int, max_running: int, device: torch.device,
