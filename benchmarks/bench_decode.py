@@ -111,21 +111,30 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
 
     def launch():
         """Host time from the start of a step until its forward (a graph replay: how much of that is the graph
-        launch alone) and its sampling are launched: the device waits this long when steps do not overlap."""
+        launch alone) and its sampling are launched: the device waits this long when steps do not overlap. Also
+        when, on the device's clock, the forward and the sampling end, and when the host has the ids."""
         g = r.graph_runner
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks[0].record()
         t0 = time.perf_counter()
         logits = r.run_forward(spec)
         t1 = time.perf_counter()
+        marks[1].record()
         pending = r.sample(logits, info)
         t2 = time.perf_counter()
+        marks[2].record()
         pending.wait()
+        wall = time.perf_counter() - t0
+        # The device's clock: from the step's start to the forward's end and the sampling's end (the first
+        # mark is taken as the host starts the step, the device being idle then)
+        device = [marks[0].elapsed_time(marks[i]) / 1e3 for i in (1, 2)]
         replay = 0.0
         if g is not None and bs <= g.max_bs:
             t3 = time.perf_counter()
             g.relaunch(bs)
             replay = time.perf_counter() - t3
             sync()
-        return t1 - t0, t2 - t1, replay
+        return t1 - t0, t2 - t1, replay, device[0], device[1], wall
 
     if profile:
         _profile(served, plain, profile, bs)
@@ -135,7 +144,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         out["pipelined"] = _median_s(pipelined, max(3, repeats // 4), sync) / _PIPELINE_STEPS
         parts = [launch() for _ in range(repeats)]
         out["launch"] = statistics.median(f + s for f, s, _ in parts)
-        out["launch_parts"] = [statistics.median(p[i] for p in parts) for i in range(3)]
+        out["launch_parts"] = [statistics.median(p[i] for p in parts) for i in range(6)]
     release(r, slots, rows)
     return out
 
@@ -232,16 +241,18 @@ def main():
         if "eager" in t:
             row.update(eager_forward_ms=t["eager"] * 1e3, eager_tokens_per_s=bs / t["eager"])
         if "pipelined" in t:
-            fwd, smp, replay = t["launch_parts"]
+            fwd, smp, replay, dev_fwd, dev_smp, wall = t["launch_parts"]
             row.update(pipelined_step_ms=t["pipelined"] * 1e3, pipelined_tokens_per_s=bs / t["pipelined"],
                        host_launch_ms=t["launch"] * 1e3, host_forward_ms=fwd * 1e3, host_sample_ms=smp * 1e3,
-                       graph_launch_ms=replay * 1e3)
+                       graph_launch_ms=replay * 1e3, step_forward_end_ms=dev_fwd * 1e3,
+                       step_sample_end_ms=dev_smp * 1e3, step_wall_ms=wall * 1e3)
         rows.append(row)
         extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
         if "pipelined" in t:
             extra += (f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms "
                       f"(forward {fwd * 1e3:5.3f}, of which graph launch {replay * 1e3:5.3f}; sampling "
-                      f"{smp * 1e3:5.3f})")
+                      f"{smp * 1e3:5.3f})   device: forward ends {dev_fwd * 1e3:6.3f}, sampling "
+                      f"{dev_smp * 1e3:6.3f}, host has ids {wall * 1e3:6.3f} ms")
         print(f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "
               f"{bs / t['step']:9.1f} tokens/s{extra}", flush=True)
     mixed_rows = []

@@ -36,7 +36,8 @@ def _pull_inputs_kernel(ring_ptr, counter_ptr, static_ptr, future_ptr, bs, RING:
     n = 5 * bs
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    vals = tl.load(ring_ptr + (turn % RING) * n + offs, mask=mask, other=0)
+    # .cv: fetch from host memory again, never from a line an earlier replay's read left cached
+    vals = tl.load(ring_ptr + (turn % RING) * n + offs, mask=mask, other=0, cache_modifier=".cv")
     fut = mask & (offs < bs) & (vals < 0)  # the first row holds the ids
     vals = tl.where(fut, tl.load(future_ptr + (-vals - 1), mask=fut, other=0), vals)
     tl.store(static_ptr + offs, vals, mask=mask)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 
 import numpy as np
@@ -36,6 +37,14 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sizes + [max_bs]
 
 
+def head_layers(num_layers: int) -> int:
+    """Layers in a decode graph's head (0: one graph per size). The device starts a graph's first kernel only
+    once the host's launch call has returned, and launching a whole step's ~300 nodes takes the host 30-120 us
+    on the H100 machines measured; a head of one layer is launched in a fraction of that, and the tail's launch
+    then runs while the device works through the head. RADIXLM_GRAPH_HEAD sets it (0 turns the split off)."""
+    return max(0, min(int(os.environ.get("RADIXLM_GRAPH_HEAD", "1")), num_layers - 1))
+
+
 class CudaGraphRunner:
     def __init__(self, runner, max_bs: int):
         self.runner = runner
@@ -46,8 +55,10 @@ class CudaGraphRunner:
         self.dummy_row = runner.req_to_token_pool.dummy_row
         self.static: dict[int, torch.Tensor] = {}
         self.fbs: dict[int, ForwardBatch] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # per size: head and tail, or one graph
         self.outputs: dict[int, torch.Tensor] = {}
+        self.head_layers = head_layers(runner.config.num_layers)
+        self._carry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # head -> tail (hidden, residual)
         self.future_map = runner.future_map
         self.inputs_in_graph = not self.backend.replay_reads_inputs
         # Per size: the pinned input ring [_RING, 5, bs] and its numpy view, the device's count of replays
@@ -96,25 +107,42 @@ class CudaGraphRunner:
             for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
                 fb = self.fbs[bs]
                 self.backend.init_forward_metadata_capture(bs, fb)
+                parts = 2 if self.head_layers else 1
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile and warm every kernel outside the capture
-                        self._body(bs)
+                        carry = None
+                        for i in range(parts):
+                            carry = self._part(bs, i, carry)
                 torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = self._body(bs)
-                pool = graph.pool()
-                self.graphs[bs] = graph
+                self.graphs[bs] = []
+                carry = None
+                for i in range(parts):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        carry = self._part(bs, i, carry)
+                    pool = graph.pool()
+                    self.graphs[bs].append(graph)
+                    if i < parts - 1:
+                        self._carry[bs] = carry
+                self.outputs[bs] = carry
         torch.cuda.synchronize(self.runner.device)
         used = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GB", len(self.sizes),
-                    self.sizes[0], self.max_bs, time.perf_counter() - start, used / 1e9)
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d%s) in %.1f s, %.2f GB", len(self.sizes),
+                    self.sizes[0], self.max_bs, f", each as a {self.head_layers}-layer head and a tail"
+                    if self.head_layers else "", time.perf_counter() - start, used / 1e9)
 
-    def _body(self, bs: int) -> torch.Tensor:
-        if self.inputs_in_graph:
+    def _part(self, bs: int, i: int, carry):
+        """Part i of the step: the whole forward, or its head (i = 0) and tail (i = 1). The first part starts
+        by reading the inputs where the graph does that itself."""
+        fb, model = self.fbs[bs], self.runner.model
+        if i == 0 and self.inputs_in_graph:
             self._pull(bs)
-        return self.runner.model(self.fbs[bs])
+        if not self.head_layers:
+            return model(fb)
+        if i == 0:
+            return model.forward_head(fb, self.head_layers)
+        return model.forward_tail(*carry, fb, self.head_layers)
 
     def _pull(self, bs: int) -> None:
         pull_inputs(self._ring[bs], self._counter[bs], self.static[bs], self.future_map)
@@ -155,7 +183,8 @@ class CudaGraphRunner:
         turn = self._turn[gbs]
         self._read[gbs][turn % _RING].synchronize()
         self._fill[gbs][turn % _RING] = self._fill[gbs][(turn - 1) % _RING]
-        self._launch(gbs, None)
+        with torch.inference_mode():
+            self._launch(gbs, None)
 
     def _launch(self, gbs: int, seq_lens_cpu: list[int] | None) -> None:
         turn = self._turn[gbs]
@@ -166,5 +195,6 @@ class CudaGraphRunner:
             if seq_lens_cpu is not None:
                 fb.seq_lens_cpu = seq_lens_cpu
             self.backend.init_forward_metadata_replay(gbs, fb)
-        self.graphs[gbs].replay()
+        for graph in self.graphs[gbs]:
+            graph.replay()
         self._read[gbs][turn % _RING].record()

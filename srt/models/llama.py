@@ -145,6 +145,22 @@ class LlamaForCausalLM(nn.Module):
         """Returns float32 logits for the rows in `fb.logits_indices` (every row when it is None)."""
         return self.logits(self.model(fb.input_ids, fb.positions, fb), fb)
 
+    # The same forward in two parts (decode CUDA graphs capture them as two graphs; see cuda_graph_runner.py).
+    @torch.inference_mode()
+    def forward_head(self, fb: ForwardBatch, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and the first `layers` (>= 1) layers: (hidden, residual) for `forward_tail`."""
+        x, residual = self.model.embed_tokens(fb.input_ids), None
+        for layer in self.model.layers[:layers]:
+            x, residual = layer(fb.positions, x, residual, fb)
+        return x, residual
+
+    @torch.inference_mode()
+    def forward_tail(self, x: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, start: int) -> torch.Tensor:
+        for layer in self.model.layers[start:]:
+            x, residual = layer(fb.positions, x, residual, fb)
+        x, _ = self.model.norm(x, residual)
+        return self.logits(x, fb)
+
     def logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if fb.logits_indices is not None:
             hidden = hidden.index_select(0, fb.logits_indices)

@@ -37,6 +37,31 @@ def test_prefix_in_two_extends_matches_one(tiny_dirs, arch):
         assert (parts - whole).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_in_head_and_tail_matches_whole(tiny_dirs, arch):
+    """The decode graphs' split forward (a head of k layers, then the rest) computes the same logits."""
+    from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    engine = radixlm.Engine(str(tiny_dirs[arch]), log_level="warning", max_total_tokens=2048)
+    r = engine.runner
+    row = r.req_to_token_pool.alloc()
+    slots = r.token_to_kv_pool.alloc(len(PROMPT_IDS))
+    r.req_to_token_pool.write(row, 0, slots)
+    n = len(PROMPT_IDS)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, r.device, input_ids=PROMPT_IDS, positions=list(range(n)),
+                            req_pool_indices=[row], seq_lens=[n], out_cache_loc=slots, logits_indices=list(range(n)),
+                            extend_prefix_lens=[0], extend_seq_lens=[n])
+    fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r.req_to_token_pool, r.token_to_kv_pool, r.attn_backend
+    with torch.inference_mode():
+        r.attn_backend.init_forward_metadata(fb)
+        whole = r.model(fb)
+        for k in (1, r.config.num_layers - 1):
+            split = r.model.forward_tail(*r.model.forward_head(fb, k), fb, k)
+            assert split.shape == whole.shape and (split - whole).abs().max().item() < 1e-4
+    r.token_to_kv_pool.free(slots)
+    r.req_to_token_pool.free(row)
+
+
 def test_attention_sliced_by_query_rows_matches(tiny_dirs, monkeypatch):
     from radixlm.srt.layers.attention import torch_native
     engine = radixlm.Engine(str(tiny_dirs["qwen2"]), log_level="warning", max_total_tokens=2048)
