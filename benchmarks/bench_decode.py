@@ -125,6 +125,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         marks[2].record()
         pending.wait()
         wall = time.perf_counter() - t0
+        marks[2].synchronize()  # recorded after the ids' copy event
         # The device's clock: from the step's start to the forward's end and the sampling's end (the first
         # mark is taken as the host starts the step, the device being idle then)
         device = [marks[0].elapsed_time(marks[i]) / 1e3 for i in (1, 2)]
@@ -143,7 +144,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
     if r.device.type == "cuda":
         out["pipelined"] = _median_s(pipelined, max(3, repeats // 4), sync) / _PIPELINE_STEPS
         parts = [launch() for _ in range(repeats)]
-        out["launch"] = statistics.median(f + s for f, s, _ in parts)
+        out["launch"] = statistics.median(p[0] + p[1] for p in parts)
         out["launch_parts"] = [statistics.median(p[i] for p in parts) for i in range(6)]
     release(r, slots, rows)
     return out
