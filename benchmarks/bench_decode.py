@@ -1,10 +1,11 @@
 """Decode step time of the model runner: fixed batches at a fixed context, median over repeats.
 
 A step is what the scheduler launches: the forward (a CUDA-graph replay where one is captured), greedy
-sampling and the one device->host copy of the ids, waited for. On CUDA each row also has the pipelined step
-(32 steps back to back, step k+1 launched before step k's ids are read, as the overlap scheduler runs them)
-and the host's launch time of one step (what the device waits for between steps that do not overlap). With --eager the same batch also runs through
-the eager forward, for the graphs-vs-eager comparison in one process.
+sampling and the one device->host copy of the ids, from an idle device until the host holds the ids. On CUDA
+each row also has the pipelined step (32 steps back to back, step k+1 launched before step k's ids are read,
+as the overlap scheduler runs them), the host's launch time of one step (what the device waits for between
+steps that do not overlap) and the step's anatomy on the device's clock. With --eager the same batch also runs
+through the eager forward, for the graphs-vs-eager comparison in one process.
 
     python benchmarks/bench_decode.py --batch-sizes 1 16 --context 128
     python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
@@ -153,7 +154,11 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
 _PIPELINE_STEPS = 32
 
 
-def _median_s(fn, repeats: int, sync) -> float:
+def _median_s(fn, repeats: int, sync, settle=None) -> float:
+    """Median seconds of `fn`, each call starting on an idle device. A step is over when the host holds its
+    ids, as the scheduler goes on then: the step functions return those, so no device-wide synchronize (a
+    driver call of 15-70 us on these hosts) is timed after them; `settle` is for functions that return before
+    their device work is done."""
     for _ in range(3):
         fn()
     times = []
@@ -161,8 +166,10 @@ def _median_s(fn, repeats: int, sync) -> float:
         sync()
         t = time.perf_counter()
         fn()
-        sync()
+        if settle is not None:
+            settle()
         times.append(time.perf_counter() - t)
+    sync()
     return statistics.median(times)
 
 
@@ -197,7 +204,7 @@ def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int) ->
     r = engine.runner
     spec, slots, rows = mixed_spec(r, decode_bs, ctx, prefill)
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
-    out = {name: _median_s(lambda pw=pw: r.forward(spec.build(r.device, None), piecewise=pw), repeats, sync)
+    out = {name: _median_s(lambda pw=pw: r.forward(spec.build(r.device, None), piecewise=pw), repeats, sync, sync)
            for name, pw in (("graphs", True), ("eager", False))}
     release(r, slots, rows)
     return out
