@@ -2,13 +2,11 @@
 with an event the host waits on only when it needs the values (one step later under overlap scheduling)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 _RING = 3  # staging buffers in rotation; at most two packets are ever unread
-_SPIN = os.environ.get("RADIXLM_WAIT_SPIN", "0") == "1"
 
 
 @dataclass
@@ -18,11 +16,7 @@ class PendingCopy:
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
-            if _SPIN:  # poll the event, keeping the thread (and the GIL) hot, instead of the driver's wait
-                while not self.event.query():
-                    pass
-            else:
-                self.event.synchronize()
+            self.event.synchronize()
         return self.host
 
 
