@@ -36,7 +36,7 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 
 
 # --- Triton --------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
 def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
@@ -92,7 +92,7 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
     tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
 def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                    stride_ob, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_S: tl.constexpr):
@@ -125,6 +125,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         out = torch.empty_like(q)
     if b == 0:
         return out
+    assert 1 <= num_splits <= MAX_SPLITS
     mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     block_d = next_pow2(d)
@@ -139,5 +140,5 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     _decode_stage2[(b, h)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d, BLOCK_D=block_d,
-        BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
+        BLOCK_S=max(2, next_pow2(MAX_SPLITS)), num_warps=4)  # one compiled kernel for every split count
     return out

@@ -3,6 +3,7 @@ batch at a time. `run_forward` launches a batch's forward (a graph replay where 
 launches its sampling and the one device->host copy of the results; neither waits for the device."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -103,6 +104,28 @@ class ModelRunner:
                 from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
 
                 self.piecewise_runner = PiecewiseGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
+            self._warm_extend()
+
+    def _warm_extend(self) -> None:
+        """Run the extend shapes serving meets first once at start-up, so that the kernels they JIT-compile
+        (attention over a prompt; decode rows riding along a prompt chunk) compile now, not inside the first
+        requests' latency (0.6-1.1 s stalls on a fresh H100 machine). Every row is the dummy request row and
+        writes the padding slot."""
+        if self.req_to_token_pool.max_context_len < 64:
+            return
+        t0 = time.perf_counter()
+        row = self.req_to_token_pool.dummy_row
+        for lens, prefixes in (([16], [0]), ([1, 1, 16], [40, 7, 0]), ([1, 24], [3, 5])):
+            n = sum(lens)
+            spec = BatchSpec(ForwardMode.EXTEND, [0] * n,
+                             [p + i for p, m in zip(prefixes, lens) for i in range(m)], [row] * len(lens),
+                             [p + m for p, m in zip(prefixes, lens)], torch.zeros(n, dtype=torch.int64),
+                             logits_indices=list(itertools.accumulate(lens, initial=-1))[1:],
+                             extend_prefix_lens=prefixes, extend_seq_lens=lens)
+            self.forward(spec.build(self.device, None))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("extend and mixed-step kernels warmed in %.1f s", time.perf_counter() - t0)
 
     def _default_kv_tokens(self, bytes_per_token: int, args) -> int:
         if self.device.type == "cuda":

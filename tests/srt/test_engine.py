@@ -262,3 +262,17 @@ def test_bad_model_paths(tmp_path):
         radixlm.Engine(str(empty), log_level="warning")
     with pytest.raises(TypeError, match="no_such_option"):
         radixlm.Engine(no_such_option=1)
+
+
+def test_startup_extend_warmup_leaves_state_alone(smol_engine):
+    """The start-up warm-up of the extend and mixed-step kernels (run on CUDA) writes only the padding slot:
+    every KV slot and request row stays free and greedy outputs do not change."""
+    r = smol_engine.runner
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    before = smol_engine.generate(input_ids=[1, 504, 3575, 282, 4649], sampling_params=params)["output_ids"]
+    smol_engine.flush_cache()
+    kv, rows = r.token_to_kv_pool.available_size(), r.req_to_token_pool.available_size()
+    r._warm_extend()
+    assert (r.token_to_kv_pool.available_size(), r.req_to_token_pool.available_size()) == (kv, rows)
+    assert smol_engine.generate(input_ids=[1, 504, 3575, 282, 4649], sampling_params=params)["output_ids"] == before
+    assert smol_engine.flush_cache()
