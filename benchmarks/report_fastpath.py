@@ -47,8 +47,9 @@ def decode_table(decode: dict, anchor: dict) -> str:
         cells, best = [], None
         for rows in decode.values():
             r = rows.get(bs)
+            piped = f" ({r['pipelined_step_ms']:.2f} pipelined)" if r and "pipelined_step_ms" in r else ""
             cells.append(f"{r['step_ms']:.2f} / {r['tokens_per_s']:,.0f}{'' if r['cuda_graph'] else ' (eager)'}"
-                         if r else "")
+                         f"{piped}" if r else "")
             if r and r["cuda_graph"]:
                 best = min(best or r["step_ms"], r["step_ms"])
         a = anchor.get(bs)
@@ -95,7 +96,11 @@ def plot(decode: dict, anchor: dict, path: Path) -> None:
     for backend, rows in decode.items():
         bs = sorted(rows)
         ctx = rows[bs[0]]["context"]
-        ax.plot(bs, [rows[b]["tokens_per_s"] for b in bs], "o-", label=f"radixlm {backend}")
+        line, = ax.plot(bs, [rows[b]["tokens_per_s"] for b in bs], "o-", label=f"radixlm {backend}, one step at a time")
+        piped = [b for b in bs if "pipelined_tokens_per_s" in rows[b]]
+        if piped:  # as the overlap scheduler runs steps: the next launched before this one's ids are read
+            ax.plot(piped, [rows[b]["pipelined_tokens_per_s"] for b in piped], "^--", color=line.get_color(),
+                    label=f"radixlm {backend}, pipelined")
     if anchor:
         bs = sorted(anchor)
         ax.plot(bs, [b / anchor[b] * 1e3 for b in bs], "s--", color="gray", label="plain PyTorch + CUDA graph")

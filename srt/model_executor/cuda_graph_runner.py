@@ -5,9 +5,10 @@ one [5, bs] int64 tensor) and the attention backend's captured metadata, refresh
 host writes a replay's inputs into the next slot of a ring of pinned buffers; the graph's first kernel reads
 that slot itself (kernels/graph_inputs.py), so a replay costs the host a few numpy stores and the launch. A
 backend whose replay metadata reads the inputs on the device (FlashInfer plans from them) gets the same kernel
-launched eagerly before that metadata instead. A live batch is padded to the next captured size: padding rows
-decode token 0 at position 0 from the dummy request row into KV slot 0 (the reserved padding slot), and are
-dropped.
+launched eagerly before that metadata instead. Each size is captured as two graphs, a one-layer head and the
+rest (`head_layers`), so that the device starts as soon as the small head is launched. A live batch is padded
+to the next captured size: padding rows decode token 0 at position 0 from the dummy request row into KV slot 0
+(the reserved padding slot), and are dropped.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 def head_layers(num_layers: int) -> int:
     """Layers in a decode graph's head (0: one graph per size). The device starts a graph's first kernel only
-    once the host's launch call has returned, and launching a whole step's ~300 nodes takes the host 30-120 us
+    once the host's launch call has returned, and launching a whole step's ~300 nodes takes the host 30-140 us
     on the H100 machines measured; a head of one layer is launched in a fraction of that, and the tail's launch
     then runs while the device works through the head. RADIXLM_GRAPH_HEAD sets it (0 turns the split off)."""
     return max(0, min(int(os.environ.get("RADIXLM_GRAPH_HEAD", "1")), num_layers - 1))
