@@ -152,6 +152,11 @@ class Engine:
                     if item["finished"]:
                         pending.discard(rid)
                     yield item
+            # Under overlap scheduling a step launched for requests that have just finished may still be in
+            # flight: run it out when nothing else is outstanding, so that the engine is idle (and their KV
+            # free) once the call returns.
+            while not self._state and self.scheduler.has_work():
+                self._undelivered += self._step_once()
         finally:
             for rid in pending:  # the caller stopped early or a step failed: free what they held
                 self.scheduler.abort(rid, notify=False)

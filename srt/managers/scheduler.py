@@ -95,7 +95,7 @@ class Scheduler(SchedulerOutputMixin):
         self.step_trace = StepTrace.from_env()
         self._outputs: list[TokenOutput] = []
         self.grammar = SchedulerGrammar(args, tokenizer, runner.vocab_size, runner.config.eos_token_ids,
-                                        runner.device)
+                                        runner.device, self.overlap)
         freeze_startup_objects()  # the model, tokenizer and graphs, out of the collector's full passes
 
     # --- public interface ----------------------------------------------------------------------------------

@@ -61,12 +61,15 @@ class GrammarStatsView:
 
 
 class SchedulerGrammar:
-    def __init__(self, args, tokenizer, vocab_size: int, stop_ids: list[int], device: torch.device):
+    def __init__(self, args, tokenizer, vocab_size: int, stop_ids: list[int], device: torch.device,
+                 overlap: bool = False):
         self.backend_name = args.grammar_backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.device = device
-        self.jump_forward = not args.disable_jump_forward
+        # Under overlap scheduling a jump sends its request back through an extend step while the others
+        # decode, so steps stop being plain decode batches (as SGLang did, jump-forward is off there by default).
+        self.jump_forward = not args.disable_jump_forward and (not overlap or args.enable_jump_forward)
         self.manager = None
         if args.grammar_backend != "none":
             lazy = _LazyBackend(args.grammar_backend, tokenizer, vocab_size, stop_ids)

@@ -75,6 +75,25 @@ def engine(engine):
     return engine
 
 
+def test_jump_forward_under_overlap_is_opt_in():
+    """Overlap scheduling (the default on CUDA; forced here on the CPU) runs without jump-forward unless
+    --enable-jump-forward asks for it; asked for, it jumps there too and the JSON still validates."""
+    sp = {"json_schema": JF_SCHEMA, **GREEDY, "max_new_tokens": JF_MAX_NEW_TOKENS}
+    events = {}
+    for name, kw in (("default", {}), ("enabled", {"enable_jump_forward": True})):
+        engine = radixlm.Engine(force_overlap_schedule=True, log_level="warning", max_total_tokens=4096, **kw)
+        try:
+            assert engine.scheduler.overlap and engine.scheduler.grammar.jump_forward == bool(kw)
+            for out in engine.generate(JF_PROMPTS, sp):
+                _assert_grammar_stop(engine, out)
+                jsonschema.validate(json.loads(out["text"]), JF_SCHEMA)
+            events[name] = _grammar_stats(engine)["jump_forward_events"]
+            assert_engine_idle(engine)
+        finally:
+            engine.shutdown()
+    assert events["default"] == 0 and events["enabled"] > 0, events
+
+
 @pytest.fixture(scope="module")
 def strict_engines():
     """Per backend, built on first use: jump-forward off and a short compile timeout."""

@@ -276,3 +276,21 @@ def test_startup_extend_warmup_leaves_state_alone(smol_engine):
     assert (r.token_to_kv_pool.available_size(), r.req_to_token_pool.available_size()) == (kv, rows)
     assert smol_engine.generate(input_ids=[1, 504, 3575, 282, 4649], sampling_params=params)["output_ids"] == before
     assert smol_engine.flush_cache()
+
+
+def test_overlap_engine_idle_after_stop():
+    """With overlap scheduling (the CUDA default; forced here) a step for a request that stopped on EOS is
+    already launched when the stop is seen; generate runs it out, so the engine is idle when it returns."""
+    from tests.helpers import assert_engine_idle
+
+    engine = radixlm.Engine(force_overlap_schedule=True, log_level="warning", max_total_tokens=4096)
+    try:
+        for stream in (False, True):
+            out = engine.generate(input_ids=[1, 504, 3575, 282], stream=stream,
+                                  sampling_params={"temperature": 0, "max_new_tokens": 64})
+            last = list(out)[-1] if stream else out
+            assert last["meta_info"]["finish_reason"]["type"] == "stop"
+            assert engine.scheduler.inflight is None
+            assert_engine_idle(engine)
+    finally:
+        engine.shutdown()
