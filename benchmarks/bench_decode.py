@@ -111,8 +111,9 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         return prev.wait()
 
     def launch():
-        """Host time from the start of a step until its forward (a graph replay: how much of that is the graph
-        launch alone) and its sampling are launched: the device waits this long when steps do not overlap. Also
+        """Host time from the start of a step until its forward (a graph replay: how much of that is the replay
+        alone, i.e. the graph launches, plus for FlashInfer the input kernel and the plan) and its sampling are
+        launched: the device waits this long when steps do not overlap. Also
         when, on the device's clock, the forward and the sampling end, and when the host has the ids."""
         g = r.graph_runner
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -258,7 +259,7 @@ def main():
         extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
         if "pipelined" in t:
             extra += (f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms "
-                      f"(forward {fwd * 1e3:5.3f}, of which graph launch {replay * 1e3:5.3f}; sampling "
+                      f"(forward {fwd * 1e3:5.3f}, of which the replay {replay * 1e3:5.3f}; sampling "
                       f"{smp * 1e3:5.3f})   device: forward ends {dev_fwd * 1e3:6.3f}, sampling "
                       f"{dev_smp * 1e3:6.3f}, host has ids {wall * 1e3:6.3f} ms")
         print(f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "

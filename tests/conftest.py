@@ -27,7 +27,8 @@ def smol_engine():
     """One SmolLM2 Engine shared by tests that only generate (they must leave it idle and clean)."""
     import radixlm
 
-    engine = radixlm.Engine(log_level="warning", max_total_tokens=16384, dtype=TEST_DTYPE)
+    # Jump-forward on under overlap scheduling too (the CUDA default), so the grammar tests test it there as well.
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=16384, dtype=TEST_DTYPE, enable_jump_forward=True)
     yield engine
     engine.shutdown()
 

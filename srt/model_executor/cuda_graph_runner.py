@@ -112,6 +112,8 @@ class CudaGraphRunner:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile and warm every kernel outside the capture
+                        if not self.inputs_in_graph:  # launched eagerly at replay: compile it now too
+                            self._pull(bs)
                         carry = None
                         for i in range(parts):
                             carry = self._part(bs, i, carry)
@@ -189,13 +191,20 @@ class CudaGraphRunner:
 
     def _launch(self, gbs: int, seq_lens_cpu: list[int] | None) -> None:
         turn = self._turn[gbs]
+        try:
+            if not self.inputs_in_graph:
+                self._pull(gbs)
+                fb = self.fbs[gbs]
+                if seq_lens_cpu is not None:
+                    fb.seq_lens_cpu = seq_lens_cpu
+                self.backend.init_forward_metadata_replay(gbs, fb)
+            for graph in self.graphs[gbs]:
+                graph.replay()
+        except BaseException:
+            # However far this replay got, the next one must read the next slot: a count out of step would
+            # have every later replay of this size read an earlier step's inputs.
+            self._counter[gbs].fill_(turn + 1)
+            self._turn[gbs] = turn + 1
+            raise
         self._turn[gbs] = turn + 1
-        if not self.inputs_in_graph:
-            self._pull(gbs)
-            fb = self.fbs[gbs]
-            if seq_lens_cpu is not None:
-                fb.seq_lens_cpu = seq_lens_cpu
-            self.backend.init_forward_metadata_replay(gbs, fb)
-        for graph in self.graphs[gbs]:
-            graph.replay()
         self._read[gbs][turn % _RING].record()

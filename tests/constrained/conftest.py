@@ -8,7 +8,8 @@ from tests.helpers import GRAMMAR_BACKENDS
 
 @pytest.fixture(scope="package")
 def xgrammar_engine():
-    engine = radixlm.Engine(grammar_backend="xgrammar", log_level="warning", max_total_tokens=16384)
+    engine = radixlm.Engine(grammar_backend="xgrammar", log_level="warning", max_total_tokens=16384,
+                            enable_jump_forward=True)
     yield engine
     engine.shutdown()
 
@@ -18,5 +19,5 @@ def engine(request):
     """The engine of each backend: jump-forward on, the default compile timeout."""
     e = request.getfixturevalue("smol_engine" if request.param == "outlines" else "xgrammar_engine")
     assert e.server_args.grammar_backend == request.param
-    assert not e.server_args.disable_jump_forward
+    assert e.scheduler.grammar.jump_forward
     return e

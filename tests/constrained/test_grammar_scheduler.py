@@ -381,7 +381,7 @@ def test_jump_forward_saves_forward_passes(request, strict_engines, backend):
     on = request.getfixturevalue("smol_engine" if backend == "outlines" else "xgrammar_engine")
     off = strict_engines(backend)
     assert on.server_args.grammar_backend == off.server_args.grammar_backend == backend
-    assert not on.server_args.disable_jump_forward and off.server_args.disable_jump_forward
+    assert on.scheduler.grammar.jump_forward and not off.scheduler.grammar.jump_forward
     sp = {"json_schema": JF_SCHEMA, **GREEDY, "max_new_tokens": JF_MAX_NEW_TOKENS}
     results = {}
     for name, engine in (("on", on), ("off", off)):
