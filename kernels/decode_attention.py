@@ -37,15 +37,18 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
-def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+def _decode_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                    qk_scale, num_splits,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_QROWS: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
+    qb = b.to(tl.int64)
+    if HAS_QROWS:  # the request's row of q (and of out) in a larger batch
+        qb = tl.load(qrows_ptr + b).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -57,7 +60,7 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
     hmask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + qb * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
     if F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
         q = q.to(tl.float32)
@@ -93,11 +96,14 @@ def _decode_stage1(q_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, 
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
-def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                   stride_ob, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr):
+def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, qrows_ptr, stride_mob, stride_moh, stride_mos, stride_mlb,
+                   stride_mlh, stride_ob, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_S: tl.constexpr, HAS_QROWS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    ob = b.to(tl.int64)
+    if HAS_QROWS:
+        ob = tl.load(qrows_ptr + b).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     smask = s < num_splits
     d = tl.arange(0, BLOCK_D)
@@ -106,7 +112,7 @@ def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, stride_mob, stride_moh, stri
     o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
                 mask=smask[:, None] & (d[None, :] < D), other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(out_ptr + ob * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
@@ -115,10 +121,14 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale: float,
-                     num_splits: int, out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+                     num_splits: int, out: torch.Tensor | None = None, block_n: int = 64,
+                     q_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D]; req_to_token: [rows, max_ctx] int32;
-    req_pool_indices/seq_lens: [B]. Reads only tensors: capturable in a CUDA graph."""
-    b, h, d = q.shape
+    req_pool_indices/seq_lens: [B]. Reads only tensors: capturable in a CUDA graph. With `q_rows` ([B] int64),
+    request i's query is q[q_rows[i]] and its output goes to out[q_rows[i]] (one-token rows of a larger
+    batch, read and written in place, without a gather and a scatter around the call)."""
+    h, d = q.shape[1], q.shape[2]
+    b = q.shape[0] if q_rows is None else q_rows.shape[0]
     kvh = k_cache.shape[1]
     group = h // kvh
     if out is None:
@@ -130,15 +140,17 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     block_d = next_pow2(d)
     _decode_stage1[(b, kvh, num_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, q_rows if q_rows is not None else seq_lens, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), sm_scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), HAS_QROWS=q_rows is not None,
         num_warps=4, num_stages=2)
     _decode_stage2[(b, h)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d, BLOCK_D=block_d,
-        BLOCK_S=max(2, next_pow2(MAX_SPLITS)), num_warps=4)  # one compiled kernel for every split count
+        mid_o, mid_lse, out, q_rows if q_rows is not None else seq_lens, mid_o.stride(0), mid_o.stride(1),
+        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d,
+        BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), HAS_QROWS=q_rows is not None,
+        num_warps=4)  # one compiled kernel for every split count
     return out

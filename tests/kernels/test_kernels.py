@@ -115,6 +115,26 @@ def test_decode_attention(dtype, heads, kv_heads, head_dim, lens, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_rows_in_place(dtype):
+    """With q_rows, each request reads its query row of a larger q and writes the same row of out; the other
+    rows of out are left as they were."""
+    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    lens = [9, 70, 1]
+    g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, 8, 2, 32, lens, sum(lens) + 8)
+    q = torch.randn(6, 8, 32, generator=g).to(DEV, dtype)
+    q_rows = torch.tensor([4, 0, 2], dtype=torch.int64, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, 7.0)
+    decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5, num_splits=3, out=out, block_n=16,
+                     q_rows=q_rows)
+    ref = decode_attention_ref(q[q_rows], k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5)
+    assert rel_err(out[q_rows], ref) < tol(dtype)
+    untouched = [i for i in range(6) if i not in q_rows.tolist()]
+    assert (out[untouched] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64)])
 @pytest.mark.parametrize("prefix,extend", [([0], [23]), ([17], [5]), ([0, 40, 3, 0, 9, 64, 1], [7, 1, 30, 18, 2, 5, 33])])
 def test_extend_attention(dtype, heads, kv_heads, head_dim, prefix, extend):

@@ -85,9 +85,9 @@ class TritonAttnBackend(AttentionBackend):
                                    fb.extend_seq_lens, fb.extend_start_loc, md.max_extend_len, layer.scaling)
             return out.view(q.shape[0], -1)
         out = torch.empty_like(q)
-        tokens, rows, seq_lens = md.single
-        out.index_copy_(0, tokens, decode_attention(q.index_select(0, tokens), k_cache, v_cache, r2t, rows, seq_lens,
-                                                    layer.scaling, md.num_splits))
+        tokens, rows, seq_lens = md.single  # the decode kernel reads and writes those rows in place
+        decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, layer.scaling, md.num_splits, out=out,
+                         q_rows=tokens)
         if md.multi is not None:
             extend_attention(q, k_cache, v_cache, r2t, *md.multi, md.max_extend_len, layer.scaling, out=out)
         return out.view(q.shape[0], -1)
