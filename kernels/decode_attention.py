@@ -139,8 +139,9 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     block_d = next_pow2(d)
+    rows_arg = q_rows if q_rows is not None else seq_lens  # any int tensor when unused (HAS_QROWS=False)
     _decode_stage1[(b, kvh, num_splits)](
-        q, q_rows if q_rows is not None else seq_lens, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        q, rows_arg, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
@@ -149,7 +150,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         DOT_PREC=dot_precision(q.dtype), HAS_QROWS=q_rows is not None,
         num_warps=4, num_stages=2)
     _decode_stage2[(b, h)](
-        mid_o, mid_lse, out, q_rows if q_rows is not None else seq_lens, mid_o.stride(0), mid_o.stride(1),
+        mid_o, mid_lse, out, rows_arg, mid_o.stride(0), mid_o.stride(1),
         mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d,
         BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), HAS_QROWS=q_rows is not None,
         num_warps=4)  # one compiled kernel for every split count

@@ -176,7 +176,7 @@ class CudaGraphRunner:
         fill[4, :bs] = out_cache_loc.numpy()
         if gbs > bs:
             fill[:, bs:] = self._pad_column
-        self._launch(gbs, list(seq_lens) + [1] * (gbs - bs))
+        self._launch(gbs, seq_lens)
         return self.outputs[gbs][:bs]
 
     def relaunch(self, bs: int) -> None:
@@ -189,14 +189,15 @@ class CudaGraphRunner:
         with torch.inference_mode():
             self._launch(gbs, None)
 
-    def _launch(self, gbs: int, seq_lens_cpu: list[int] | None) -> None:
+    def _launch(self, gbs: int, seq_lens: list[int] | None) -> None:
+        """seq_lens: the live rows' (None: as at the last replay), for metadata that plans on the host."""
         turn = self._turn[gbs]
         try:
             if not self.inputs_in_graph:
                 self._pull(gbs)
                 fb = self.fbs[gbs]
-                if seq_lens_cpu is not None:
-                    fb.seq_lens_cpu = seq_lens_cpu
+                if seq_lens is not None:
+                    fb.seq_lens_cpu = list(seq_lens) + [1] * (gbs - len(seq_lens))
                 self.backend.init_forward_metadata_replay(gbs, fb)
             for graph in self.graphs[gbs]:
                 graph.replay()

@@ -104,12 +104,15 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if self.cpu_path is not None:
             return self.cpu_path.forward(input_ids, positions, fb)
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, fb)
+        x, residual = self.run_layers(self.embed_tokens(input_ids), None, positions, fb)
         x, _ = self.norm(x, residual)
         return x
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, fb: ForwardBatch,
+                   start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers[start:stop]:
+            x, residual = layer(positions, x, residual, fb)
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,15 +152,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward_head(self, fb: ForwardBatch, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and the first `layers` (>= 1) layers: (hidden, residual) for `forward_tail`."""
-        x, residual = self.model.embed_tokens(fb.input_ids), None
-        for layer in self.model.layers[:layers]:
-            x, residual = layer(fb.positions, x, residual, fb)
-        return x, residual
+        return self.model.run_layers(self.model.embed_tokens(fb.input_ids), None, fb.positions, fb, 0, layers)
 
     @torch.inference_mode()
     def forward_tail(self, x: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, start: int) -> torch.Tensor:
-        for layer in self.model.layers[start:]:
-            x, residual = layer(fb.positions, x, residual, fb)
+        x, residual = self.model.run_layers(x, residual, fb.positions, fb, start)
         x, _ = self.model.norm(x, residual)
         return self.logits(x, fb)
 
