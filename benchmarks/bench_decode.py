@@ -113,8 +113,8 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
     def launch():
         """Host time from the start of a step until its forward (a graph replay: how much of that is the replay
         alone, i.e. the graph launches, plus for FlashInfer the input kernel and the plan) and its sampling are
-        launched: the device waits this long when steps do not overlap. Also
-        when, on the device's clock, the forward and the sampling end, and when the host has the ids."""
+        launched: the device waits this long when steps do not overlap. Also when, on the device's clock, the
+        forward and the sampling end, and when the host has the ids."""
         g = r.graph_runner
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         marks[0].record()
