@@ -36,21 +36,14 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 
 
 # --- Triton --------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
-def _decode_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
-                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                   qk_scale, num_splits,
-                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_QROWS: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    qb = b.to(tl.int64)
-    if HAS_QROWS:  # the request's row of q (and of out) in a larger batch
-        qb = tl.load(qrows_ptr + b).to(tl.int64)
-    row = tl.load(rows_ptr + b).to(tl.int64)
-    seq_len = tl.load(lens_ptr + b)
+@triton.jit
+def _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, num_splits, mid_o_ptr, mid_lse_ptr,
+                  mo_base, ml_base, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
+                  stride_moh, stride_mlh, qk_scale,
+                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Split `s` of `num_splits` of one request's KV for the query heads of KV head `kvh`: the partial output
+    goes to mid_o[mo_base + head * stride_moh], its log-sum-exp to mid_lse[ml_base + head * stride_mlh]."""
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -86,13 +79,50 @@ def _decode_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, 
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    # An empty split (short request, many splits) stores lse = -inf, which stage 2 weighs as zero.
+    # An empty split (short request, many splits) stores lse = -inf, which the merge weighs as zero.
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + d[None, :], out,
+    tl.store(mid_o_ptr + mo_base + heads[:, None] * stride_moh + d[None, :], out,
              mask=hmask[:, None] & dmask[None, :])
-    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=hmask)
+    tl.store(mid_lse_ptr + ml_base + heads * stride_mlh, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, mo_base, ml_base, o_base, stride_mos, stride_mls, num_splits,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One (request, head): the splits' partial outputs (mid_o[mo_base + s * stride_mos]) weighed by their
+    log-sum-exps (mid_lse[ml_base + s * stride_mls]) into out[o_base]."""
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(mid_lse_ptr + ml_base + s * stride_mls, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(mid_o_ptr + mo_base + s[:, None] * stride_mos + d[None, :],
+                mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + o_base + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
+def _decode_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
+                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                   qk_scale, num_splits,
+                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_QROWS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    qb = b.to(tl.int64)
+    if HAS_QROWS:  # the request's row of q (and of out) in a larger batch
+        qb = tl.load(qrows_ptr + b).to(tl.int64)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    seq_len = tl.load(lens_ptr + b)
+    _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, num_splits, mid_o_ptr, mid_lse_ptr,
+                  b * stride_mob + s * stride_mos, b * stride_mlb + s, stride_qb, stride_qh, stride_ks, stride_kh,
+                  stride_vs, stride_vh, stride_r2t, stride_moh, stride_mlh, qk_scale, GROUP=GROUP, BLOCK_H=BLOCK_H,
+                  BLOCK_N=BLOCK_N, D=D, BLOCK_D=BLOCK_D, F32_DOT=F32_DOT, DOT_PREC=DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
@@ -104,15 +134,51 @@ def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, qrows_ptr, stride_mob, strid
     ob = b.to(tl.int64)
     if HAS_QROWS:
         ob = tl.load(qrows_ptr + b).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    smask = s < num_splits
-    d = tl.arange(0, BLOCK_D)
-    lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=smask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
-                mask=smask[:, None] & (d[None, :] < D), other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + ob * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b * stride_mob + h * stride_moh, b * stride_mlb + h * stride_mlh,
+                  ob * stride_ob + h * stride_oh, stride_mos, 1, num_splits, D=D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S)
+
+
+# Rows of a mixed batch (one-token requests riding along a prompt chunk) in a fixed launch: how many rows there
+# are and how many splits each gets are read on the device (`ctl`), and a fixed number of programs loop over
+# the (row, KV head, split) items, so the launch is the same whatever the batch and a CUDA graph holds it. The
+# partial results are kept per item (row * splits + split), which bounds their buffer by rows x splits.
+@triton.jit
+def _rows_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, ctl_ptr, mid_o_ptr, mid_lse_ptr,
+                 stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t, stride_moi,
+                 stride_moh, stride_mli, qk_scale,
+                 KVH: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    n = tl.load(ctl_ptr)
+    splits = tl.load(ctl_ptr + 1)
+    per_row = KVH * splits
+    for item in range(tl.program_id(0), n * per_row, tl.num_programs(0)):
+        b = item // per_row
+        kvh = (item % per_row) // splits
+        s = item % splits
+        qb = tl.load(qrows_ptr + b).to(tl.int64)
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        seq_len = tl.load(lens_ptr + b)
+        mid = (b * splits + s).to(tl.int64)
+        _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, splits, mid_o_ptr, mid_lse_ptr,
+                      mid * stride_moi, mid * stride_mli, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs,
+                      stride_vh, stride_r2t, stride_moh, 1, qk_scale, GROUP=GROUP, BLOCK_H=BLOCK_H,
+                      BLOCK_N=BLOCK_N, D=D, BLOCK_D=BLOCK_D, F32_DOT=F32_DOT, DOT_PREC=DOT_PREC)
+
+
+@triton.jit
+def _rows_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, qrows_ptr, ctl_ptr, stride_moi, stride_moh, stride_mli,
+                 stride_ob, stride_oh, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    n = tl.load(ctl_ptr)
+    splits = tl.load(ctl_ptr + 1)
+    for item in range(tl.program_id(0), n * H, tl.num_programs(0)):
+        b = item // H
+        h = item % H
+        ob = tl.load(qrows_ptr + b).to(tl.int64)
+        first = (b * splits).to(tl.int64)
+        _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, first * stride_moi + h * stride_moh, first * stride_mli + h,
+                      ob * stride_ob + h * stride_oh, stride_moi, stride_mli, splits, D=D, BLOCK_D=BLOCK_D,
+                      BLOCK_S=BLOCK_S)
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
@@ -154,4 +220,36 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d,
         BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), HAS_QROWS=q_rows is not None,
         num_warps=4)  # one compiled kernel for every split count
+    return out
+
+
+def rows_items_cap(max_rows: int, num_kv_heads: int, num_sms: int) -> int:
+    """The most (row, split) items a batch of up to `max_rows` rows needs when each gets
+    decode_num_splits(rows) splits: what `decode_attention_rows` buffers for."""
+    return max(n * decode_num_splits(n, num_kv_heads, num_sms) for n in range(1, max(1, max_rows) + 1))
+
+
+def decode_attention_rows(q, k_cache, v_cache, req_to_token, q_rows, req_pool_indices, seq_lens, ctl,
+                          sm_scale: float, out: torch.Tensor, max_items: int, num_sms: int,
+                          block_n: int = 64) -> torch.Tensor:
+    """Decode attention for the first ctl[0] entries of q_rows / req_pool_indices / seq_lens, each split
+    ctl[1] ways (ctl: a device int tensor); reads q[q_rows[i]] and writes out[q_rows[i]]. The launch depends
+    only on the shapes and `max_items` (>= ctl[0] * ctl[1]), never on ctl: a CUDA graph replays it for any
+    row count that fits."""
+    h, d = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[1]
+    # Enough programs for every item at once up to a few waves over the SMs; beyond that they loop.
+    programs = max(1, min(4 * num_sms, max(max_items * kvh, q_rows.shape[0] * h)))
+    mid_o = torch.empty((max_items, h, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((max_items, h), dtype=torch.float32, device=q.device)
+    block_d = next_pow2(d)
+    _rows_stage1[(programs,)](
+        q, q_rows, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ctl, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), sm_scale * _LOG2E,
+        KVH=kvh, GROUP=h // kvh, BLOCK_H=max(16, next_pow2(h // kvh)), BLOCK_N=block_n, D=d, BLOCK_D=block_d,
+        F32_DOT=INTERPRET, DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+    _rows_stage2[(programs,)](
+        mid_o, mid_lse, out, q_rows, ctl, mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0),
+        out.stride(1), H=h, D=d, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), num_warps=4)
     return out

@@ -1,7 +1,9 @@
 """Extend (prefill) attention over the paged pool: each request's new tokens attend to its cached prefix and,
 causally, to themselves. Ragged across requests: a program owns one block of one request's new tokens for one
-query head, so nothing is padded to the longest request. The new tokens' K/V are already in the pool (the
-rope kernel stored them), so prefix and new part are read the same way, through `req_to_token`.
+query head, so nothing is padded to the longest request. Which (request, block) a program owns comes from a
+block table, so the launch depends only on the table's length: a CUDA graph holds it for any batch that fits.
+The new tokens' K/V are already in the pool (the rope kernel stored them), so prefix and new part are read the
+same way, through `req_to_token`.
 """
 from __future__ import annotations
 
@@ -36,17 +38,18 @@ def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, pr
 
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit
-def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ext_ptr, qstart_ptr,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ext_ptr, qstart_ptr, blk_ptr,
+                   stride_blk, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
                    stride_r2t, qk_scale,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
-    b = tl.program_id(0)
+    p = tl.program_id(0)
     h = tl.program_id(1)
-    mb = tl.program_id(2)
-    ext_len = tl.load(ext_ptr + b)
-    if mb * BLOCK_M >= ext_len:
+    b = tl.load(blk_ptr + p)
+    mb = tl.load(blk_ptr + stride_blk + p)
+    if b < 0:  # an unused entry of a fixed-size table
         return
+    ext_len = tl.load(ext_ptr + b)
     prefix = tl.load(prefix_ptr + b)
     q_start = tl.load(qstart_ptr + b).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
@@ -90,28 +93,46 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ex
              out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
+def extend_block_m(head_dim: int, on_cuda: bool) -> int:
+    """Query rows per program: what a block table (`extend_blocks`) must be built for."""
+    if INTERPRET or not on_cuda:
+        return 16
+    return 128 if head_dim <= 128 else 64
+
+
+def extend_blocks(extend_lens, block_m: int) -> tuple[list[int], list[int]]:
+    """The block table of a batch: (request index, block index within its new tokens) for every block."""
+    reqs, blocks = [], []
+    for i, n in enumerate(extend_lens):
+        nb = -(-int(n) // block_m)
+        reqs += [i] * nb
+        blocks += range(nb)
+    return reqs, blocks
+
+
 def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
-                     max_extend_len: int, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, D]; prefix_lens/extend_lens/q_starts: [B] device tensors; `max_extend_len` from the host
-    sizes the grid. The new tokens' K/V must already be in the pool."""
+                     blocks: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D]; prefix_lens/extend_lens/q_starts: [B] device tensors; blocks: [2, NB] device int tensor,
+    the (request, block) table from `extend_blocks` for `extend_block_m`, request -1 marking unused entries.
+    The new tokens' K/V must already be in the pool."""
     t, h, d = q.shape
     kvh = k_cache.shape[1]
     if out is None:
         out = torch.empty_like(q)
-    b = req_pool_indices.shape[0]
-    if t == 0 or b == 0:
+    nb = blocks.shape[1]
+    if t == 0 or nb == 0:
         return out
     block_d = next_pow2(d)
+    block_m = extend_block_m(d, q.is_cuda)
     if INTERPRET or not q.is_cuda:
-        block_m, block_n, warps, stages = 16, 16, 4, 1
+        block_n, warps, stages = 16, 4, 1
     else:
-        block_m, block_n = (128, 64) if d <= 128 else (64, 32)
+        block_n = 64 if d <= 128 else 32
         warps, stages = 8, 2
-    grid = (b, h, triton.cdiv(max_extend_len, block_m))
-    _extend_kernel[grid](
-        q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), req_to_token.stride(0), sm_scale * _LOG2E,
+    _extend_kernel[(nb, h)](
+        q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, blocks,
+        blocks.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0), sm_scale * _LOG2E,
         GROUP=h // kvh, BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
         DOT_PREC=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages)

@@ -60,6 +60,10 @@ class ServerArgs:
                                               "replaying graphs of everything between attention calls")
     piecewise_cuda_graph_max_tokens: int = _opt(4096, "largest prefill/mixed batch (tokens) run through the "
                                                 "piecewise CUDA graphs; larger ones run eagerly")
+    extend_cuda_graph: str = _opt("auto", "CUDA graphs for prefill/mixed batches: whole (attention inside; "
+                                  "backends whose extend attention needs no host plan: triton), piecewise "
+                                  "(attention eager between graphs), auto (whole where the backend can)",
+                                  ("auto", "whole", "piecewise"))
     disable_overlap_schedule: bool = _opt(False, "schedule the next step only after the current one's tokens "
                                           "are back on the host")
     force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "

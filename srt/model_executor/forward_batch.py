@@ -44,6 +44,7 @@ class ForwardBatch:
     extend_start_loc: torch.Tensor | None = None  # [B], where each request's new tokens start in the batch
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
+    req_pool_indices_cpu: list[int] | None = None
     # Filled in by the model runner.
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: TokenToKVPool | None = None
@@ -88,7 +89,8 @@ class ForwardBatch:
         if future_map is not None and any(i < 0 for i in input_ids):
             ids = torch.where(ids < 0, future_map[(-ids - 1).clamp_min(0)], ids)
         fb = cls(mode=mode, batch_size=b, input_ids=ids, positions=views[1], req_pool_indices=views[2],
-                 seq_lens=views[3], out_cache_loc=views[-1], seq_lens_cpu=list(seq_lens))
+                 seq_lens=views[3], out_cache_loc=views[-1], seq_lens_cpu=list(seq_lens),
+                 req_pool_indices_cpu=list(req_pool_indices))
         i = 4
         if extend:
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = views[4:7]

@@ -88,6 +88,7 @@ class ModelRunner:
                     " (flat CPU layer loop)" if self.cpu_path else "")
         self.graph_runner = None
         self.piecewise_runner = None
+        self.extend_runner = None  # whole graphs for extend batches (ExtendGraphRunner)
         if self.device.type == "cuda":
             self.attn_backend.warmup()
             t0 = time.perf_counter()
@@ -101,10 +102,23 @@ class ModelRunner:
                              self.max_running_requests)
                 self.graph_runner = CudaGraphRunner(self, max_bs)
             if not args.disable_cuda_graph and not args.disable_piecewise_cuda_graph:
-                from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
-
-                self.piecewise_runner = PiecewiseGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
+                self._capture_extend_graphs(args)
             self._warm_extend()
+
+    def _capture_extend_graphs(self, args) -> None:
+        mode = getattr(args, "extend_cuda_graph", "auto")
+        whole = getattr(self.attn_backend, "supports_extend_graph", False)
+        if mode == "whole" and not whole:
+            raise ValueError(f"extend_cuda_graph whole needs an attention backend whose extend attention runs "
+                             f"without a host plan (triton), not {self.attn_backend_name}")
+        if whole and mode != "piecewise":
+            from radixlm.srt.model_executor.extend_graph_runner import ExtendGraphRunner
+
+            self.extend_runner = ExtendGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
+        else:
+            from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
+
+            self.piecewise_runner = PiecewiseGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
 
     def _warm_extend(self) -> None:
         """Run the extend shapes serving meets first once at start-up, so that the kernels they JIT-compile
@@ -153,12 +167,16 @@ class ModelRunner:
             return self.model(fb)
 
     def run_forward(self, spec: BatchSpec) -> torch.Tensor:
-        """A graph replay for decode batches that fit one, else eager."""
+        """A graph replay for batches that fit one (decode graphs; whole extend graphs), else `forward`."""
         g = self.graph_runner
         if g is not None and spec.mode is ForwardMode.DECODE and g.can_run(spec.batch_size, spec.seq_lens):
             with torch.inference_mode():
                 return g.replay(spec.input_ids, spec.positions, spec.req_pool_indices, spec.seq_lens,
                                 spec.out_cache_loc)
+        x = self.extend_runner
+        if x is not None and x.can_run(spec):
+            with torch.inference_mode():
+                return x.run(spec)
         return self.forward(spec.build(self.device, self.future_map if spec.has_futures() else None))
 
     # --- sampling ----------------------------------------------------------------------------------------------

@@ -163,6 +163,10 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if fb.logits_indices is not None:
             hidden = hidden.index_select(0, fb.logits_indices)
+        return self.project(hidden)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of every row of `hidden` (final-normed hidden states)."""
         if self.lm_head_quant is not None:
             return self.lm_head_quant.matmul(hidden).float()
         if not self.config.tie_word_embeddings:

@@ -135,10 +135,38 @@ def test_decode_attention_rows_in_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_decode_attention_rows(dtype, splits):
+    """The fixed-launch form for the one-token rows of a mixed batch: the row count and split count come from
+    the device (`ctl`), room past the count is ignored, and each row's result is bit for bit what the
+    per-batch launch with the same split count gives; rows of out that are not its rows stay as they were."""
+    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref, decode_attention_rows
+
+    lens = [9, 70, 1, 33]
+    g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, 8, 2, 32, lens, sum(lens) + 8)
+    q = torch.randn(7, 8, 32, generator=g).to(DEV, dtype)
+    q_rows = torch.tensor([4, 0, 2, 6], dtype=torch.int64, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    pad = lambda t: torch.cat([t, torch.zeros(3, dtype=t.dtype, device=DEV)])  # noqa: E731 (room to spare)
+    ctl = torch.tensor([len(lens), splits], dtype=torch.int64, device=DEV)
+    out = torch.full_like(q, 7.0)
+    decode_attention_rows(q, k_cache, v_cache, r2t, pad(q_rows), pad(rows), pad(seq_lens), ctl, 32 ** -0.5, out,
+                          max_items=7 * splits, num_sms=2, block_n=16)
+    ref = decode_attention_ref(q[q_rows], k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5)
+    assert rel_err(out[q_rows], ref) < tol(dtype)
+    assert (out[[1, 3, 5]] == 7.0).all()
+    per_batch = torch.full_like(q, 7.0)
+    decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5, num_splits=splits, out=per_batch,
+                     block_n=16, q_rows=q_rows)
+    assert torch.equal(out, per_batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64)])
 @pytest.mark.parametrize("prefix,extend", [([0], [23]), ([17], [5]), ([0, 40, 3, 0, 9, 64, 1], [7, 1, 30, 18, 2, 5, 33])])
 def test_extend_attention(dtype, heads, kv_heads, head_dim, prefix, extend):
-    from radixlm.kernels.extend_attention import extend_attention, extend_attention_ref
+    from radixlm.kernels.extend_attention import (extend_attention, extend_attention_ref, extend_block_m,
+                                                  extend_blocks)
 
     lens = [p + e for p, e in zip(prefix, extend)]
     g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, heads, kv_heads, head_dim, lens, sum(lens) + head_dim)
@@ -148,7 +176,12 @@ def test_extend_attention(dtype, heads, kv_heads, head_dim, prefix, extend):
     starts = torch.cumsum(e_t, 0, dtype=torch.int32) - e_t
     scale = head_dim ** -0.5
     out = poison(torch.empty_like(q))
-    extend_attention(q, k_cache, v_cache, r2t, rows, p_t, e_t, starts, max(extend), scale, out=out)
+    reqs, blocks = extend_blocks(extend, extend_block_m(head_dim, q.is_cuda))
+    # The table in a random order, with unused (-1) entries mixed in, as a fixed-size CUDA graph table has them.
+    order = torch.randperm(len(reqs) + 3, generator=g).tolist()
+    table = torch.tensor([(reqs + [-1] * 3)[i] for i in order] + [(blocks + [0] * 3)[i] for i in order],
+                         dtype=torch.int64).view(2, -1)
+    extend_attention(q, k_cache, v_cache, r2t, rows, p_t, e_t, starts, table.to(DEV), scale, out=out)
     ref = extend_attention_ref(q, k_cache, v_cache, r2t, rows, p_t, e_t, scale)
     assert rel_err(out, ref) < tol(dtype)
 

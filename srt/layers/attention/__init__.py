@@ -64,7 +64,7 @@ def create_backend(name: str, runner) -> "AttentionBackend":
     if name == "triton":
         from radixlm.srt.layers.attention.triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend(cfg.num_kv_heads, runner.device)
+        return TritonAttnBackend(cfg.num_kv_heads, runner.device, cfg.head_dim)
     from radixlm.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     return FlashInferAttnBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.dtype, runner.dtype,

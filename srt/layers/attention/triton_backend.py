@@ -1,16 +1,19 @@
 """Attention through our Triton kernels (kernels/): split-KV decode and ragged paged extend.
 
-Needs no compilation step beyond Triton's JIT; the decode path reads only tensors, so CUDA graphs capture it.
+Needs no compilation step beyond Triton's JIT; every launch reads only tensors, so CUDA graphs capture decode
+batches and, through a fixed-size layout of their metadata (`ExtendLayout`), extend and mixed batches too.
 On CPU the same kernels run in Triton's interpreter (tests only: it is slow).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from radixlm.kernels.decode_attention import decode_attention, decode_num_splits
-from radixlm.kernels.extend_attention import extend_attention
+from radixlm.kernels.decode_attention import (decode_attention, decode_attention_rows, decode_num_splits,
+                                              rows_items_cap)
+from radixlm.kernels.extend_attention import extend_attention, extend_block_m, extend_blocks
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 from radixlm.srt.utils import to_device
@@ -19,21 +22,41 @@ from radixlm.srt.utils import to_device
 @dataclass
 class TritonMetadata:
     num_splits: int = 1  # decode: KV splits per request (fixed per batch size, so graphs can capture it)
-    max_extend_len: int = 0  # extend: sizes the grid
-    # Extend batches with one-token rows (decodes riding along a prompt chunk): those rows go through the
-    # decode kernel, whose program per (row, KV head, split) does not pay for a block of empty query rows.
-    # Both subsets are selected once per forward, not once per layer.
-    single: tuple[torch.Tensor, ...] | None = None  # (token indices, req_pool_indices, seq_lens)
-    multi: tuple[torch.Tensor, ...] | None = None  # (req_pool_indices, prefix lens, extend lens, start locs)
+    # Extend batches. One-token rows (decodes riding along a prompt chunk) go through the decode kernel, whose
+    # work item per (row, KV head, split) does not pay for a block of empty query rows; the others through the
+    # extend kernel's block table. See ExtendLayout.
+    single: tuple[torch.Tensor, ...] | None = None  # (q rows, req_pool_indices, seq_lens, ctl [count, splits])
+    single_items: int = 0  # (row, split) items the decode kernel buffers for
+    multi: tuple[torch.Tensor, ...] | None = None  # (req_pool_indices, prefix lens, extend lens, starts, blocks)
+    padded: bool = False  # a graph's layout: rows past the batch get zeros, not whatever memory held
+
+
+@dataclass(frozen=True)
+class ExtendLayout:
+    """An extend batch's attention metadata as one int64 array, for room for `singles` one-token rows,
+    `multis` longer requests and `blocks` extend-kernel blocks: [single q rows, single req rows, single seq
+    lens] x singles, ctl (count, splits), [multi req rows, prefix lens, extend lens, starts] x multis, [block
+    request (-1: unused), block index] x blocks. The exact layout of a batch is what an eager forward copies
+    over; a CUDA graph keeps a larger one per token bucket and replays with any batch that fits."""
+
+    singles: int
+    multis: int
+    blocks: int
+
+    @property
+    def size(self) -> int:
+        return 3 * self.singles + 2 + 4 * self.multis + 2 * self.blocks
 
 
 class TritonAttnBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    supports_extend_graph = True
 
-    def __init__(self, num_kv_heads: int, device: torch.device):
+    def __init__(self, num_kv_heads: int, device: torch.device, head_dim: int):
         self.num_kv_heads = num_kv_heads
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.block_m = extend_block_m(head_dim, device.type == "cuda")
         # The CUDA graph runner sets this to the captured size a batch pads to, so an eager decode splits the KV
         # exactly as the graph would and both give bit-identical results.
         self.graph_bucket = None
@@ -47,20 +70,68 @@ class TritonAttnBackend(AttentionBackend):
         if fb.mode.is_decode:
             fb.attn_metadata = TritonMetadata(num_splits=self._splits(fb.batch_size))
             return
-        lens = fb.extend_seq_lens_cpu or []
-        single = [i for i, n in enumerate(lens) if n == 1]
-        if not single:
-            fb.attn_metadata = TritonMetadata(max_extend_len=fb.max_extend_len)
-            return
-        multi = [i for i, n in enumerate(lens) if n != 1]
-        idx = to_device(torch.tensor(single + multi, dtype=torch.int64), fb.extend_seq_lens.device)
-        one, rest = idx[:len(single)], idx[len(single):]
-        fb.attn_metadata = TritonMetadata(
-            num_splits=decode_num_splits(len(single), self.num_kv_heads, self.num_sms),
-            max_extend_len=max((lens[i] for i in multi), default=1),
-            single=tuple(t.index_select(0, one) for t in (fb.extend_start_loc, fb.req_pool_indices, fb.seq_lens)),
-            multi=tuple(t.index_select(0, rest) for t in (fb.req_pool_indices, fb.extend_prefix_lens,
-                                                          fb.extend_seq_lens, fb.extend_start_loc)) if multi else None)
+        lens = fb.extend_seq_lens_cpu
+        singles = sum(1 for n in lens if n == 1)
+        layout = ExtendLayout(singles, len(lens) - singles, sum(-(-n // self.block_m) for n in lens if n != 1))
+        host = torch.empty(layout.size, dtype=torch.int64)
+        self.fill_extend(host.numpy(), layout, fb.extend_prefix_lens_cpu, lens, fb.req_pool_indices_cpu,
+                         fb.seq_lens_cpu)
+        fb.attn_metadata = self.extend_metadata(to_device(host, fb.extend_seq_lens.device), layout, exact=True)
+
+    # --- extend metadata in a fixed layout (eager batches and extend CUDA graphs) ----------------------------
+    def extend_graph_layout(self, tokens: int, max_rows: int) -> ExtendLayout:
+        """Room for any batch of up to `tokens` tokens with at most `max_rows` requests, of which at most
+        min(tokens // 2, 128) have more than one token (larger batches of short prompts run eagerly)."""
+        multis = max(1, min(tokens // 2, 128, max_rows))
+        return ExtendLayout(min(tokens, max_rows), multis, -(-tokens // self.block_m) + multis)
+
+    def fits_extend(self, layout: ExtendLayout, extend_lens: list[int]) -> bool:
+        singles = sum(1 for n in extend_lens if n == 1)
+        return singles <= layout.singles and len(extend_lens) - singles <= layout.multis
+
+    def fill_extend(self, arr: np.ndarray, layout: ExtendLayout, prefix_lens, extend_lens, rows, seq_lens) -> None:
+        """Write a batch (that fits) into `arr` in `layout`; unused room is zeros, unused blocks request -1."""
+        s, r, nb = layout.singles, layout.multis, layout.blocks
+        arr[:] = 0
+        one = [i for i, n in enumerate(extend_lens) if n == 1]
+        multi = [i for i, n in enumerate(extend_lens) if n != 1]
+        starts, acc = [], 0
+        for n in extend_lens:
+            starts.append(acc)
+            acc += n
+        k = len(one)
+        arr[0:k] = [starts[i] for i in one]
+        arr[s:s + k] = [rows[i] for i in one]
+        arr[2 * s:2 * s + k] = [seq_lens[i] for i in one]
+        arr[3 * s] = k
+        arr[3 * s + 1] = decode_num_splits(k, self.num_kv_heads, self.num_sms)
+        m = 3 * s + 2
+        j = len(multi)
+        arr[m:m + j] = [rows[i] for i in multi]
+        arr[m + r:m + r + j] = [prefix_lens[i] for i in multi]
+        arr[m + 2 * r:m + 2 * r + j] = [extend_lens[i] for i in multi]
+        arr[m + 3 * r:m + 3 * r + j] = [starts[i] for i in multi]
+        reqs, blocks = extend_blocks([extend_lens[i] for i in multi], self.block_m)
+        b = m + 4 * r
+        arr[b:b + nb] = -1
+        arr[b:b + len(reqs)] = reqs
+        arr[b + nb:b + nb + len(blocks)] = blocks
+
+    def extend_metadata(self, dev: torch.Tensor, layout: ExtendLayout, exact: bool = False) -> TritonMetadata:
+        """Metadata viewing `dev`, a device copy of an array `fill_extend` wrote in `layout`. `exact`: the layout
+        is the batch's own (no room to spare), so parts it has none of are skipped and the decode kernel's
+        launch is sized to the batch."""
+        s, r, nb = layout.singles, layout.multis, layout.blocks
+        md = TritonMetadata(padded=not exact)
+        if s or not exact:
+            md.single = (dev[0:s], dev[s:2 * s], dev[2 * s:3 * s], dev[3 * s:3 * s + 2])
+            splits = decode_num_splits(s, self.num_kv_heads, self.num_sms)
+            md.single_items = s * splits if exact else rows_items_cap(s, self.num_kv_heads, self.num_sms)
+        if r or not exact:
+            m = 3 * s + 2
+            md.multi = (dev[m:m + r], dev[m + r:m + 2 * r], dev[m + 2 * r:m + 3 * r], dev[m + 3 * r:m + 4 * r],
+                        dev[m + 4 * r:m + 4 * r + 2 * nb].view(2, nb))
+        return md
 
     def init_forward_metadata_capture(self, bs: int, fb: ForwardBatch) -> None:
         fb.attn_metadata = TritonMetadata(num_splits=self._splits(bs))
@@ -80,14 +151,10 @@ class TritonAttnBackend(AttentionBackend):
         k_cache, v_cache = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
         r2t = fb.req_to_token_pool.req_to_token
         md = fb.attn_metadata
-        if md.single is None:
-            out = extend_attention(q, k_cache, v_cache, r2t, fb.req_pool_indices, fb.extend_prefix_lens,
-                                   fb.extend_seq_lens, fb.extend_start_loc, md.max_extend_len, layer.scaling)
-            return out.view(q.shape[0], -1)
-        out = torch.empty_like(q)
-        tokens, rows, seq_lens = md.single  # the decode kernel reads and writes those rows in place
-        decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, layer.scaling, md.num_splits, out=out,
-                         q_rows=tokens)
+        out = torch.zeros_like(q) if md.padded else torch.empty_like(q)
+        if md.single is not None:  # the decode kernel reads and writes those rows in place
+            decode_attention_rows(q, k_cache, v_cache, r2t, *md.single, layer.scaling, out, md.single_items,
+                                  self.num_sms)
         if md.multi is not None:
-            extend_attention(q, k_cache, v_cache, r2t, *md.multi, md.max_extend_len, layer.scaling, out=out)
+            extend_attention(q, k_cache, v_cache, r2t, *md.multi, layer.scaling, out=out)
         return out.view(q.shape[0], -1)
