@@ -110,7 +110,7 @@ if stage cudatests; then  # the engine/scheduler/server tests on CUDA with the r
   fi_ready flashinfer; echo "== cudatests ($(left) s left)"
   ls -la ~/.cache/radixlm/models/ 2>&1 | tail -2
   timeout ${CUDATESTS_S:-300} python -m pytest -q -p no:cacheprovider --tb=short -o faulthandler_timeout=150 \
-    ${CUDATESTS:-tests/srt/test_engine.py tests/srt/test_scheduler.py tests/srt/test_sampler.py tests/srt/test_piecewise.py} \
+    ${CUDATESTS:-tests/srt/test_engine.py tests/srt/test_scheduler.py tests/srt/test_sampler.py tests/srt/test_piecewise.py tests/srt/test_extend_graph.py} \
     -k "not clean_cache_dir" 2>&1 | grep -v "Loading\|it/s\]" > /tmp/r/test/pytest_cuda_engine.txt
   tail -30 /tmp/r/test/pytest_cuda_engine.txt
   pack test
@@ -138,7 +138,7 @@ fi
 if stage quicktest; then  # the kernel and piecewise-graph tests only (no GGUF needed)
   echo "== quicktest ($(left) s left)"
   timeout $((BUDGET / 4)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_piecewise.py \
-    tests/srt/test_attention_backends.py 2>&1 | tail -30 | tee /tmp/r/test/pytest_quick.txt
+    tests/srt/test_attention_backends.py tests/srt/test_extend_graph.py 2>&1 | tail -30 | tee /tmp/r/test/pytest_quick.txt
   pack test
 fi
 if stage serve; then  # one server config (SERVE_EXTRA flags) on SERVE_WORKLOADS, into serving/SERVE_LABEL
