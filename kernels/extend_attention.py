@@ -43,10 +43,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ex
                    stride_r2t, qk_scale,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
-    p = tl.program_id(0)
+    entry = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(blk_ptr + p)
-    mb = tl.load(blk_ptr + stride_blk + p)
+    b = tl.load(blk_ptr + entry)
+    mb = tl.load(blk_ptr + stride_blk + entry)
     if b < 0:  # an unused entry of a fixed-size table
         return
     ext_len = tl.load(ext_ptr + b)
