@@ -28,7 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    ladder = [16, 32, 64, 96, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 3072, 4096, 6144, 8192]
+    # Steps of 32 around the common chunk sizes: a 256-token chunk with 32 decodes riding along is 288 tokens,
+    # which a step of 128 would pad to 384 (a third more prefill compute in every such step).
+    ladder = [16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 288, 320, 384, 448, 512, 544, 576, 640, 768, 896, 1024,
+              1280, 1536, 2048, 2560, 3072, 4096, 6144, 8192]
     return [b for b in ladder if b < max_tokens] + [max_tokens]
 
 

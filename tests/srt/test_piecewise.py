@@ -21,9 +21,10 @@ def _engine(path, **kw):
 
 
 def test_token_buckets():
-    assert token_buckets(100) == [16, 32, 64, 96, 100]
+    assert token_buckets(100) == [16, 32, 48, 64, 96, 100]
     assert token_buckets(16) == [16]
     assert token_buckets(4096)[-1] == 4096 and token_buckets(4096) == sorted(set(token_buckets(4096)))
+    assert 288 in token_buckets(4096)  # a 256-token chunk with 32 decodes riding along pads to nothing
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
