@@ -28,7 +28,7 @@ from radixlm.srt.managers.schedule_batch import sampling_info
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 
 
-def _profile(served, plain, path: str, bs: int) -> None:
+def _profile(served, plain, path: str, bs) -> None:
     """Kernel time by name for one served step (graph replay) and one eager forward: where the step goes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -200,7 +200,7 @@ def release(r, slots: torch.Tensor, rows: list[int]) -> None:
         r.req_to_token_pool.free(row)
 
 
-def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int) -> dict:
+def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int, profile: str | None = None) -> dict:
     """One mixed step (`mixed_spec`) through the runner's graphs (whole or piecewise, where they fit) and eager."""
     r = engine.runner
     spec, slots, rows = mixed_spec(r, decode_bs, ctx, prefill)
@@ -210,6 +210,8 @@ def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int) ->
     out = {name: _median_s(run, repeats, sync, sync) for name, run in runs.items()}
     # The host's part alone: until the launch returns (the device may still be running it).
     out["graphs_launch"] = _median_s(runs["graphs"], repeats, sync)
+    if profile and r.device.type == "cuda":
+        _profile(runs["graphs"], runs["eager"], profile, f"mixed{decode_bs}+{prefill}")
     release(r, slots, rows)
     return out
 
@@ -271,7 +273,7 @@ def main():
               f"{bs / t['step']:9.1f} tokens/s{extra}", flush=True)
     mixed_rows = []
     for d, p in mixed:
-        t = mixed_times(engine, d, p, args.context, args.repeats)
+        t = mixed_times(engine, d, p, args.context, args.repeats, args.profile)
         kind = "whole" if r.extend_runner is not None else "piecewise" if r.piecewise_runner is not None else "none"
         mixed_rows.append({"decodes": d, "prompt": p, "context": args.context, "graphs": kind,
                            "graphs_ms": t["graphs"] * 1e3, "graphs_host_launch_ms": t["graphs_launch"] * 1e3,
