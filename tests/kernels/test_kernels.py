@@ -151,7 +151,7 @@ def test_decode_attention_rows(dtype, splits):
     ctl = torch.tensor([len(lens), splits], dtype=torch.int64, device=DEV)
     out = torch.full_like(q, 7.0)
     decode_attention_rows(q, k_cache, v_cache, r2t, pad(q_rows), pad(rows), pad(seq_lens), ctl, 32 ** -0.5, out,
-                          max_items=7 * splits, num_sms=2, block_n=16)
+                          max_items=7 * splits, block_n=16)
     ref = decode_attention_ref(q[q_rows], k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5)
     assert rel_err(out[q_rows], ref) < tol(dtype)
     assert (out[[1, 3, 5]] == 7.0).all()

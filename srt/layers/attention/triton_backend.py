@@ -80,10 +80,12 @@ class TritonAttnBackend(AttentionBackend):
 
     # --- extend metadata in a fixed layout (eager batches and extend CUDA graphs) ----------------------------
     def extend_graph_layout(self, tokens: int, max_rows: int) -> ExtendLayout:
-        """Room for any batch of up to `tokens` tokens with at most `max_rows` requests, of which at most
-        min(tokens // 2, 128) have more than one token (larger batches of short prompts run eagerly)."""
+        """Room for any batch of up to `tokens` tokens with at most `max_rows` requests, of which at most 256
+        have one token and at most min(tokens // 2, 128) more than one (other batches run eagerly: their steps
+        are long enough to hide the launches). The kernels' grids are sized for that room, the programs past a
+        batch's work returning at once, so the room is kept to what mixed steps need."""
         multis = max(1, min(tokens // 2, 128, max_rows))
-        return ExtendLayout(min(tokens, max_rows), multis, -(-tokens // self.block_m) + multis)
+        return ExtendLayout(min(tokens, max_rows, 256), multis, -(-tokens // self.block_m) + multis)
 
     def fits_extend(self, layout: ExtendLayout, extend_lens: list[int]) -> bool:
         singles = sum(1 for n in extend_lens if n == 1)
@@ -153,8 +155,7 @@ class TritonAttnBackend(AttentionBackend):
         md = fb.attn_metadata
         out = torch.zeros_like(q) if md.padded else torch.empty_like(q)
         if md.single is not None:  # the decode kernel reads and writes those rows in place
-            decode_attention_rows(q, k_cache, v_cache, r2t, *md.single, layer.scaling, out, md.single_items,
-                                  self.num_sms)
+            decode_attention_rows(q, k_cache, v_cache, r2t, *md.single, layer.scaling, out, md.single_items)
         if md.multi is not None:
             extend_attention(q, k_cache, v_cache, r2t, *md.multi, layer.scaling, out=out)
         return out.view(q.shape[0], -1)
