@@ -193,7 +193,7 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 
 def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale: float,
                      num_splits: int, out: torch.Tensor | None = None, block_n: int = 64,
-                     q_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     q_rows: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D]; req_to_token: [rows, max_ctx] int32;
     req_pool_indices/seq_lens: [B]. Reads only tensors: capturable in a CUDA graph. With `q_rows` ([B] int64),
     request i's query is q[q_rows[i]] and its output goes to out[q_rows[i]] (one-token rows of a larger
@@ -219,7 +219,7 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
         mid_lse.stride(1), sm_scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
         DOT_PREC=dot_precision(q.dtype), HAS_QROWS=q_rows is not None,
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     _decode_stage2[(b, h)](
         mid_o, mid_lse, out, rows_arg, mid_o.stride(0), mid_o.stride(1),
         mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d,
