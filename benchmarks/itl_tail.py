@@ -134,6 +134,13 @@ def output_path(events: dict[str, list[dict]], t0: float, t1: float) -> dict:
         if lags:
             res["lag"][proc] = {"stalls": len(lags), "max_ms": max(e["ms"] for e in lags),
                                 "total_ms": round(sum(e["ms"] for e in lags), 2)}
+            # Where the loop thread was in the stalls the watcher caught (innermost frames), longest first.
+            caught = sorted((e for e in lags if e.get("stack")), key=lambda e: -e["ms"])
+            if caught:
+                res["lag"][proc]["stacks"] = {"caught": len(caught), "no_stack": len(lags) - len(caught),
+                                              "longest": [{"ms": e["ms"], "top": e["stack"][-4:]}
+                                                          for e in caught[:5]],
+                                              "by_frame": dict(Counter(e["stack"][-1] for e in caught).most_common(8))}
     return res
 
 

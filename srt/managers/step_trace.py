@@ -105,11 +105,41 @@ class ProcessTrace(_JsonlTrace):
                                           "ms": round((now - self._gc_start) * 1e3, 3)}))
 
     async def watch_loop(self) -> None:
+        """Record late wake-ups; a stall long enough for the watcher thread to see it (STALL_STACK_S) carries
+        the loop thread's stack as the watcher found it mid-stall, which says what held the loop (a stall with
+        no stack: the thread could not run either, e.g. the process was not scheduled)."""
         import asyncio
+        import threading
 
+        self._tick = time.perf_counter()
+        self._stack: list[str] | None = None
+        threading.Thread(target=self._watch_stalls, args=(threading.get_ident(),), daemon=True,
+                         name="loop-stall-watch").start()
         while True:
             t = time.perf_counter()
             await asyncio.sleep(self.LAG_TICK_S)
-            late = time.perf_counter() - t - self.LAG_TICK_S
+            self._tick = now = time.perf_counter()
+            late = now - t - self.LAG_TICK_S
             if late > self.LAG_REPORT_S:
-                self._add({"k": "lag", "t": round(t, 6), "ms": round(late * 1e3, 3)})
+                rec = {"k": "lag", "t": round(t, 6), "ms": round(late * 1e3, 3)}
+                stack, self._stack = self._stack, None
+                if stack is not None:
+                    rec["stack"] = stack
+                self._add(rec)
+
+    STALL_SAMPLE_S = 0.005
+    STALL_STACK_S = 0.015
+
+    def _watch_stalls(self, loop_thread: int) -> None:
+        import traceback
+
+        seen = None
+        while True:
+            time.sleep(self.STALL_SAMPLE_S)
+            tick = self._tick
+            if tick != seen and time.perf_counter() - tick > self.STALL_STACK_S:
+                seen = tick  # one stack per stall, taken while it lasts
+                frame = sys._current_frames().get(loop_thread)
+                if frame is not None:
+                    self._stack = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                                   for f in traceback.extract_stack(frame)[-12:]]

@@ -1,9 +1,11 @@
 """RADIXLM_STEP_TRACE: the scheduler's step trace and the output path's own traces (detokenizer, tokenizer
 manager, benchmark client) line up on one clock, and itl_tail.py reads all of them."""
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 
@@ -63,3 +65,26 @@ def test_output_path_trace_lines_up_with_steps(tmp_path):
     assert all(h["p50"] >= 0 and h["max"] >= h["p50"] for h in hops.values())
     assert sum(tail["classes"].values()) == tail["slow_gaps"]
     assert sum(tail["delivery_blame"].values()) >= tail["classes"].get("delivery", 0)
+
+
+def _block_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # what a synchronous call inside a request handler does to every other stream
+
+
+def test_loop_stall_carries_the_stack_that_held_it():
+    """A wake-up 100 ms late is recorded with the loop thread's stack as the watcher saw it mid-stall."""
+    from radixlm.srt.managers.step_trace import ProcessTrace
+
+    trace = ProcessTrace(None)
+
+    async def run():
+        watch = asyncio.ensure_future(trace.watch_loop())
+        await asyncio.sleep(0.05)
+        _block_the_loop(0.1)
+        await asyncio.sleep(0.05)
+        watch.cancel()
+
+    asyncio.run(run())
+    lags = [json.loads(line) for line in trace.lines if '"lag"' in line]
+    stalled = [r for r in lags if r["ms"] > 80]
+    assert stalled and any("_block_the_loop" in frame for frame in stalled[0].get("stack", []))
