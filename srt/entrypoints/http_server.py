@@ -204,7 +204,7 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         prompts, batched = normalize_inputs(req.text, req.input_ids)
         params = per_prompt_params(req.sampling_params, len(prompts))
         check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)
-        inputs = [PreparedInput(*tm.tokenize(p), sp) for p, sp in zip(prompts, params)]
+        inputs = [PreparedInput(*tok, sp) for tok, sp in zip(await tm.tokenize_many(prompts), params)]
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(inputs)
         if len(rids) != len(inputs):
             raise InvalidRequest(f"got {len(rids)} rids for {len(inputs)} prompts", param="rid")

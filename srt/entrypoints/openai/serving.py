@@ -115,7 +115,7 @@ class OpenAIServing:
             prompts = [prompts]
         if not prompts:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        inputs = [PreparedInput(*self.tm.tokenize(p), params) for p in prompts]
+        inputs = [PreparedInput(*tok, params) for tok in await self.tm.tokenize_many(prompts)]
         want_lp = req.logprobs is not None
         states = self.tm.submit(inputs, return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
                                 logprob_start_len=0 if (want_lp and req.echo) else -1, stream=req.stream,
@@ -286,7 +286,8 @@ class OpenAIServing:
                                  param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, max_tokens, **self._grammar(req, mode, funcs, name))
-        ids = self.chat_input_ids(req, funcs if mode != "none" else [])
+        # Rendering and tokenizing the messages runs on the tokenizer thread, off the event loop.
+        ids = await self.tm.off_loop(lambda: self.chat_input_ids(req, funcs if mode != "none" else []))
         try:
             states = self.tm.submit([PreparedInput(ids, None, params)], return_logprob=req.logprobs,
                                     top_logprobs_num=top or 0, stream=req.stream,
