@@ -72,6 +72,16 @@ def test_whole_extend_graph_resolves_futures_and_falls_back(tiny_dirs):
     many = BatchSpec(ForwardMode.EXTEND, [5] * 9, [3] * 9, [rows[0]] * 9, [4] * 9, torch.zeros(9, dtype=torch.int64),
                      logits_indices=list(range(9)), extend_prefix_lens=[3] * 9, extend_seq_lens=[1] * 9)
     assert not x.can_run(many)
+    # Likewise more multi-token requests than the layout has room for (here min(32 // 2, 32, 8) = 8).
+    prompts = BatchSpec(ForwardMode.EXTEND, [5] * 18, [0, 1] * 9, [rows[0]] * 9, [2] * 9,
+                        torch.zeros(18, dtype=torch.int64), logits_indices=list(range(1, 18, 2)),
+                        extend_prefix_lens=[0] * 9, extend_seq_lens=[2] * 9)
+    assert not x.can_run(prompts)
+    assert x.can_run(BatchSpec(**{**prompts.__dict__, "input_ids": [5] * 16, "positions": [0, 1] * 8,
+                                  "req_pool_indices": [rows[0]] * 8, "seq_lens": [2] * 8,
+                                  "out_cache_loc": torch.zeros(16, dtype=torch.int64),
+                                  "logits_indices": list(range(1, 16, 2)), "extend_prefix_lens": [0] * 8,
+                                  "extend_seq_lens": [2] * 8}))
     assert not x.can_run(BatchSpec(ForwardMode.EXTEND, [5] * 33, list(range(33)), [rows[0]], [33],
                                    torch.zeros(33, dtype=torch.int64), [32], [0], [33]))  # past the largest bucket
     release(r, slots, rows)
