@@ -102,6 +102,47 @@ def hf_logits(model_dir, ids: list[int], dtype=torch.float32, device="cpu", gguf
         return model, model(torch.tensor([ids], device=device)).logits[0].float()
 
 
+def assert_runner_matches_eager(r, graphed) -> None:
+    """Model runner `r`'s eager forward against `graphed(spec)` (a graph runner's path) on a mixed batch (3
+    decodes at context 5 + a 21-token prompt: 24 tokens, padded to a 32 bucket) and on a prompt filling its
+    bucket exactly: the same logits of every row, and no slot of the pool written but the batch's own and
+    slot 0 (the reserved padding slot, where padding rows go)."""
+    from benchmarks.bench_decode import mixed_spec, release
+
+    kv = r.token_to_kv_pool
+    for decodes, prompt in ((3, 21), (0, 16)):
+        ids = torch.randint(3, 200, (decodes + prompt,), generator=torch.Generator().manual_seed(prompt)).tolist()
+        spec, slots, rows = mixed_spec(r, decodes, 5, prompt, ids, all_logits=True)
+        torch.manual_seed(0)
+        for buf in (kv.k_buffer, kv.v_buffer):  # the batch's new slots and the padding slot start as noise
+            for layer in buf:
+                layer[slots].normal_()
+        eager = r.forward(spec.build(r.device, None), piecewise=False)
+        untouched = [b[layer].clone() for b in (kv.k_buffer, kv.v_buffer) for layer in range(len(b))]
+        got = graphed(spec)
+        assert got.shape == eager.shape == (decodes + prompt, r.vocab_size)
+        assert ((got - eager).norm() / eager.norm()).item() < 1e-5
+        after = [b[layer] for b in (kv.k_buffer, kv.v_buffer) for layer in range(len(b))]
+        for before, now in zip(untouched, after):
+            assert torch.allclose(now[1:], before[1:], rtol=1e-5, atol=1e-6)
+        release(r, slots, rows)
+
+
+def generate_through_runner(make_engine, attach) -> tuple[list, list, list[int], object]:
+    """Greedy outputs of three ragged prompts (one of 40 tokens, so chunks of 16 with decodes riding along)
+    with mixed chunks on: from a plain engine, and from one whose graph runner `attach(engine)` installed
+    (it returns the list the runner appends each batch's token count to). Returns (expected, got, those
+    counts, the second engine)."""
+    prompts = [[1, 504, 3575, 282, 4649, 314, 7042, 30, 198], [5, 6, 7], list(range(10, 50))]
+    greedy = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    plain = make_engine(enable_mixed_chunk=True, chunked_prefill_size=16)
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
+    engine = make_engine(enable_mixed_chunk=True, chunked_prefill_size=16)
+    sizes = attach(engine)
+    got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+    return expected, got, sizes, engine
+
+
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
 

@@ -10,11 +10,11 @@ from benchmarks.bench_decode import mixed_spec, release
 from radixlm.kernels import HAS_TRITON
 from radixlm.srt.model_executor.extend_graph_runner import ExtendGraphRunner
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
+from tests.helpers import assert_runner_matches_eager, generate_through_runner
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
 
 def _engine(path, **kw):
@@ -27,35 +27,16 @@ def _engine(path, **kw):
     return engine
 
 
-def _rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_whole_extend_graph_matches_eager(tiny_dirs, arch):
-    engine = _engine(tiny_dirs[arch])
-    r = engine.runner
+    r = _engine(tiny_dirs[arch]).runner
     x = ExtendGraphRunner(r, 48)
-    kv = r.token_to_kv_pool
-    # 3 decodes + a 21-token prompt (24 tokens, padded to 32), then a prompt alone filling its bucket exactly.
-    for decodes, prompt in ((3, 21), (0, 16)):
-        ids = torch.randint(3, 200, (decodes + prompt,), generator=torch.Generator().manual_seed(prompt)).tolist()
-        spec, slots, rows = mixed_spec(r, decodes, 5, prompt, ids, all_logits=True)
-        torch.manual_seed(0)
-        for buf in (kv.k_buffer, kv.v_buffer):  # the batch's new slots and the padding slot start as noise
-            for layer in buf:
-                layer[slots].normal_()
+
+    def whole(spec):
         assert x.can_run(spec)
-        eager = r.forward(spec.build(r.device, None), piecewise=False)
-        untouched = [b[layer].clone() for b in (kv.k_buffer, kv.v_buffer) for layer in range(len(b))]
-        whole = x.run(spec)
-        assert whole.shape == eager.shape == (decodes + prompt, r.vocab_size)
-        assert _rel(whole, eager) < 1e-5
-        # Padding rows wrote slot 0 only, so every other slot is as the eager pass left it.
-        after = [b[layer] for b in (kv.k_buffer, kv.v_buffer) for layer in range(len(b))]
-        for before, now in zip(untouched, after):
-            assert torch.allclose(now[1:], before[1:], rtol=1e-5, atol=1e-6)
-        release(r, slots, rows)
+        return x.run(spec)
+
+    assert_runner_matches_eager(r, whole)
 
 
 def test_whole_extend_graph_resolves_futures_and_falls_back(tiny_dirs):
@@ -87,16 +68,16 @@ def test_whole_extend_graph_resolves_futures_and_falls_back(tiny_dirs):
     release(r, slots, rows)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_whole_extend_graph_generates_what_eager_does(tiny_dirs, arch):
-    prompts = [[1, 504, 3575, 282, 4649, 314, 7042, 30, 198], [5, 6, 7], list(range(10, 50))]
-    eager = _engine(tiny_dirs[arch], enable_mixed_chunk=True, chunked_prefill_size=16)
-    expected = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=GREEDY)]
-    engine = _engine(tiny_dirs[arch], enable_mixed_chunk=True, chunked_prefill_size=16)
+def _attach_whole(engine) -> list[int]:
     x = engine.runner.extend_runner = ExtendGraphRunner(engine.runner, 32)  # the 40-token prompt: chunks
     sizes, run = [], x.run
     x.run = lambda spec: sizes.append(len(spec.input_ids)) or run(spec)
-    got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    return sizes
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_whole_extend_graph_generates_what_eager_does(tiny_dirs, arch):
+    expected, got, sizes, engine = generate_through_runner(lambda **kw: _engine(tiny_dirs[arch], **kw), _attach_whole)
     assert got == expected
     assert max(sizes) > 16  # a prefill chunk with decodes riding along went through the whole graph
     assert engine.flush_cache()
