@@ -37,7 +37,7 @@ def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, pr
 
 
 # --- Triton --------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["stride_blk"])  # the table's length varies per eager batch: one compile
 def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ext_ptr, qstart_ptr, blk_ptr,
                    stride_blk, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
                    stride_r2t, qk_scale,

@@ -62,7 +62,8 @@ class ServerArgs:
                                                 "piecewise CUDA graphs; larger ones run eagerly")
     extend_cuda_graph: str = _opt("auto", "CUDA graphs for prefill/mixed batches: whole (attention inside; "
                                   "backends whose extend attention needs no host plan: triton), piecewise "
-                                  "(attention eager between graphs), auto (whole where the backend can)",
+                                  "(attention eager between graphs), auto (whole where the backend can, piecewise for "
+                                  "the batches whole graphs have no room for)",
                                   ("auto", "whole", "piecewise"))
     disable_overlap_schedule: bool = _opt(False, "schedule the next step only after the current one's tokens "
                                           "are back on the host")

@@ -112,19 +112,20 @@ class ProcessTrace(_JsonlTrace):
         import threading
 
         self._tick = time.perf_counter()
-        self._stack: list[str] | None = None
+        self._stack: tuple[float, list[str]] | None = None  # (the tick the stall began after, its stack)
         threading.Thread(target=self._watch_stalls, args=(threading.get_ident(),), daemon=True,
                          name="loop-stall-watch").start()
         while True:
             t = time.perf_counter()
+            before = self._tick
             await asyncio.sleep(self.LAG_TICK_S)
             self._tick = now = time.perf_counter()
             late = now - t - self.LAG_TICK_S
+            caught, self._stack = self._stack, None
             if late > self.LAG_REPORT_S:
                 rec = {"k": "lag", "t": round(t, 6), "ms": round(late * 1e3, 3)}
-                stack, self._stack = self._stack, None
-                if stack is not None:
-                    rec["stack"] = stack
+                if caught is not None and caught[0] == before:  # taken during this stall, not a stale one
+                    rec["stack"] = caught[1]
                 self._add(rec)
 
     STALL_SAMPLE_S = 0.005
@@ -141,5 +142,5 @@ class ProcessTrace(_JsonlTrace):
                 seen = tick  # one stack per stall, taken while it lasts
                 frame = sys._current_frames().get(loop_thread)
                 if frame is not None:
-                    self._stack = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
-                                   for f in traceback.extract_stack(frame)[-12:]]
+                    self._stack = (tick, [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                                          for f in traceback.extract_stack(frame)[-12:]])

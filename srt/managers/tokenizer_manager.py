@@ -112,8 +112,10 @@ class TokenizerManager:
         self._encoder = msgspec.msgpack.Encoder()
         self.trace = ProcessTrace.from_env("tokenizer")
         # Long prompts are tokenized off the event loop (the Rust tokenizer lets go of the GIL): a 512-token
-        # prompt took up to 56 ms on an H100 host, and every other stream's next chunk waited behind it. One
-        # thread, so the tokenizer object is never used by two calls at once.
+        # prompt took up to 56 ms on an H100 host, and every other stream's next chunk waited behind it. Short
+        # prompts and token strings stay on the loop thread, so two calls can use the tokenizer at once; that
+        # is safe because they only read it (every call passes the same settings, so transformers never
+        # reconfigures the Rust tokenizer mid-call). One worker keeps the long ones in order.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def start(self) -> None:

@@ -115,7 +115,10 @@ class ModelRunner:
             from radixlm.srt.model_executor.extend_graph_runner import ExtendGraphRunner
 
             self.extend_runner = ExtendGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
-        else:
+        if mode != "whole" or not whole:
+            # Piecewise graphs on their own, or (auto, whole graphs taken) for the batches the whole graphs
+            # have no room for: decode batches past the decode graphs, mixed steps with more than 256 riders
+            # or 32 prompts. Without them those would run fully eagerly, 15-20 ms of host time a step.
             from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
 
             self.piecewise_runner = PiecewiseGraphRunner(self, args.piecewise_cuda_graph_max_tokens)

@@ -31,6 +31,12 @@ class TritonMetadata:
     padded: bool = False  # a graph's layout: rows past the batch get zeros, not whatever memory held
 
 
+def _even(n: int) -> int:
+    """Sections of an even number of int64 entries keep every view 16-byte aligned: Triton compiles a kernel
+    per argument alignment, and a batch whose views fell otherwise would compile one mid-serving."""
+    return n + (n & 1)
+
+
 @dataclass(frozen=True)
 class ExtendLayout:
     """An extend batch's attention metadata as one int64 array, for room for `singles` one-token rows,
@@ -72,11 +78,12 @@ class TritonAttnBackend(AttentionBackend):
             return
         lens = fb.extend_seq_lens_cpu
         singles = sum(1 for n in lens if n == 1)
-        layout = ExtendLayout(singles, len(lens) - singles, sum(-(-n // self.block_m) for n in lens if n != 1))
+        layout = ExtendLayout(_even(singles), _even(len(lens) - singles),
+                              _even(sum(-(-n // self.block_m) for n in lens if n != 1)))
         host = torch.empty(layout.size, dtype=torch.int64)
         self.fill_extend(host.numpy(), layout, fb.extend_prefix_lens_cpu, lens, fb.req_pool_indices_cpu,
                          fb.seq_lens_cpu)
-        fb.attn_metadata = self.extend_metadata(to_device(host, fb.extend_seq_lens.device), layout, exact=True)
+        fb.attn_metadata = self.extend_metadata(to_device(host, fb.extend_seq_lens.device), layout, rows=singles)
 
     # --- extend metadata in a fixed layout (eager batches and extend CUDA graphs) ----------------------------
     def extend_graph_layout(self, tokens: int, max_rows: int) -> ExtendLayout:
@@ -86,8 +93,8 @@ class TritonAttnBackend(AttentionBackend):
         the programs past a batch's work returning at once, and those are not free: on the H100 the extend
         kernel of a 288-token mixed step took 27.6 us a layer with room for 128 prompts against 17.1 us with
         room for 33 (its programs hold enough shared memory that few fit on an SM, returning or not)."""
-        multis = max(1, min(tokens // 2, 32, max_rows))
-        return ExtendLayout(min(tokens, max_rows, 256), multis, -(-tokens // self.block_m) + multis)
+        multis = _even(max(1, min(tokens // 2, 32, max_rows)))
+        return ExtendLayout(_even(min(tokens, max_rows, 256)), multis, _even(-(-tokens // self.block_m) + multis))
 
     def fits_extend(self, layout: ExtendLayout, extend_lens: list[int]) -> bool:
         singles = sum(1 for n in extend_lens if n == 1)
@@ -121,16 +128,18 @@ class TritonAttnBackend(AttentionBackend):
         arr[b:b + len(reqs)] = reqs
         arr[b + nb:b + nb + len(blocks)] = blocks
 
-    def extend_metadata(self, dev: torch.Tensor, layout: ExtendLayout, exact: bool = False) -> TritonMetadata:
-        """Metadata viewing `dev`, a device copy of an array `fill_extend` wrote in `layout`. `exact`: the layout
-        is the batch's own (no room to spare), so parts it has none of are skipped and the decode kernel's
-        launch is sized to the batch."""
+    def extend_metadata(self, dev: torch.Tensor, layout: ExtendLayout, rows: int | None = None) -> TritonMetadata:
+        """Metadata viewing `dev`, a device copy of an array `fill_extend` wrote in `layout`. `rows`: the layout
+        is this batch's own, with that many one-token rows (no room to spare beyond the even rounding), so
+        parts it has none of are skipped and the decode kernel's launch is sized to the batch; None: a graph's
+        layout, whose launches are sized for any batch that fits."""
         s, r, nb = layout.singles, layout.multis, layout.blocks
+        exact = rows is not None
         md = TritonMetadata(padded=not exact)
         if s or not exact:
             md.single = (dev[0:s], dev[s:2 * s], dev[2 * s:3 * s], dev[3 * s:3 * s + 2])
-            splits = decode_num_splits(s, self.num_kv_heads, self.num_sms)
-            md.single_items = s * splits if exact else rows_items_cap(s, self.num_kv_heads, self.num_sms)
+            md.single_items = (rows * decode_num_splits(rows, self.num_kv_heads, self.num_sms) if exact
+                               else rows_items_cap(s, self.num_kv_heads, self.num_sms))
         if r or not exact:
             m = 3 * s + 2
             md.multi = (dev[m:m + r], dev[m + r:m + 2 * r], dev[m + 2 * r:m + 3 * r], dev[m + 3 * r:m + 4 * r],
