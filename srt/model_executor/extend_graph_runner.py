@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
+from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode, resolve_futures
 from radixlm.srt.model_executor.piecewise_graph_runner import token_buckets
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,7 @@ class ExtendGraphRunner:
 
     def _forward(self, bk: _Bucket) -> torch.Tensor:
         """The captured part: futures resolved, then embedding, every layer, the final norm."""
-        raw = bk.fb.input_ids
-        fut = self.runner.future_map
-        ids = torch.where(raw < 0, fut[(-raw - 1).clamp(0, fut.shape[0] - 1)], raw)
-        return self.inner(ids, bk.fb.positions, bk.fb)
+        return self.inner(resolve_futures(bk.fb.input_ids, self.runner.future_map), bk.fb.positions, bk.fb)
 
     def _capture(self) -> None:
         start = time.perf_counter()
@@ -84,7 +81,7 @@ class ExtendGraphRunner:
         with torch.inference_mode():
             for t in reversed(self.buckets):  # largest first: smaller buckets reuse its memory pool
                 bk = self.slots[t]
-                self._fill(bk, bk.hosts[0], [0], [0], [0], [1], [0], [], [r.req_to_token_pool.dummy_row])
+                self._fill(bk, bk.hosts[0], [0], [0], [0], [1], [0], [], [r.req_to_token_pool.dummy_row], [1])
                 bk.meta.copy_(bk.hosts[0])
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
@@ -108,7 +105,7 @@ class ExtendGraphRunner:
         return self.backend.fits_extend(bk.layout, spec.extend_seq_lens)
 
     def _fill(self, bk: _Bucket, host: torch.Tensor, ids, positions, loc, extend_lens, prefix_lens, rows_logits,
-              req_rows, seq_lens=None) -> None:
+              req_rows, seq_lens) -> None:
         t, n = bk.tokens, len(ids)
         arr = host.numpy()
         arr[:4 * t] = 0
@@ -116,7 +113,6 @@ class ExtendGraphRunner:
         arr[t:t + n] = positions
         arr[2 * t:2 * t + n] = loc
         arr[3 * t:3 * t + len(rows_logits)] = rows_logits
-        seq_lens = seq_lens if seq_lens is not None else [p + e for p, e in zip(prefix_lens, extend_lens)]
         self.backend.fill_extend(arr[4 * t:], bk.layout, prefix_lens, extend_lens, req_rows, seq_lens)
 
     def run(self, spec: BatchSpec) -> torch.Tensor:

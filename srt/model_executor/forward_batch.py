@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
+def resolve_futures(ids: torch.Tensor, future_map: torch.Tensor) -> torch.Tensor:
+    """`ids` with every future (negative) swapped for the token it stands for, on the device."""
+    return torch.where(ids < 0, future_map[(-ids - 1).clamp(0, future_map.shape[0] - 1)], ids)
+
+
 class ForwardMode(enum.IntEnum):
     EXTEND = 1  # new tokens (prompts or chunks of them) attending to a cached prefix and themselves
     DECODE = 2  # one new token per request
@@ -55,10 +60,6 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    @property
-    def max_extend_len(self) -> int:
-        return max(self.extend_seq_lens_cpu) if self.extend_seq_lens_cpu else 1
-
     @classmethod
     def build(cls, mode: ForwardMode, device: torch.device, *, input_ids: list[int], positions: list[int],
               req_pool_indices: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor,
@@ -87,7 +88,7 @@ class ForwardBatch:
         views = list(dev.split(sizes))
         ids = views[0]
         if future_map is not None and any(i < 0 for i in input_ids):
-            ids = torch.where(ids < 0, future_map[(-ids - 1).clamp_min(0)], ids)
+            ids = resolve_futures(ids, future_map)
         fb = cls(mode=mode, batch_size=b, input_ids=ids, positions=views[1], req_pool_indices=views[2],
                  seq_lens=views[3], out_cache_loc=views[-1], seq_lens_cpu=list(seq_lens),
                  req_pool_indices_cpu=list(req_pool_indices))

@@ -6,6 +6,7 @@ On CPU the same kernels run in Triton's interpreter (tests only: it is slow).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +52,19 @@ class ExtendLayout:
 
     @property
     def size(self) -> int:
-        return 3 * self.singles + 2 + 4 * self.multis + 2 * self.blocks
+        return self.blocks_at + 2 * self.blocks
+
+    @property
+    def ctl_at(self) -> int:
+        return 3 * self.singles
+
+    @property
+    def multis_at(self) -> int:
+        return self.ctl_at + 2
+
+    @property
+    def blocks_at(self) -> int:
+        return self.multis_at + 4 * self.multis
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -106,24 +119,16 @@ class TritonAttnBackend(AttentionBackend):
         arr[:] = 0
         one = [i for i, n in enumerate(extend_lens) if n == 1]
         multi = [i for i, n in enumerate(extend_lens) if n != 1]
-        starts, acc = [], 0
-        for n in extend_lens:
-            starts.append(acc)
-            acc += n
-        k = len(one)
-        arr[0:k] = [starts[i] for i in one]
-        arr[s:s + k] = [rows[i] for i in one]
-        arr[2 * s:2 * s + k] = [seq_lens[i] for i in one]
-        arr[3 * s] = k
-        arr[3 * s + 1] = decode_num_splits(k, self.num_kv_heads, self.num_sms)
-        m = 3 * s + 2
-        j = len(multi)
-        arr[m:m + j] = [rows[i] for i in multi]
-        arr[m + r:m + r + j] = [prefix_lens[i] for i in multi]
-        arr[m + 2 * r:m + 2 * r + j] = [extend_lens[i] for i in multi]
-        arr[m + 3 * r:m + 3 * r + j] = [starts[i] for i in multi]
+        starts = list(itertools.accumulate(extend_lens, initial=0))
+        for sec, values in enumerate((starts, rows, seq_lens)):
+            arr[sec * s:sec * s + len(one)] = [values[i] for i in one]
+        c = layout.ctl_at
+        arr[c:c + 2] = len(one), decode_num_splits(len(one), self.num_kv_heads, self.num_sms)
+        m = layout.multis_at
+        for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
+            arr[m + sec * r:m + sec * r + len(multi)] = [values[i] for i in multi]
         reqs, blocks = extend_blocks([extend_lens[i] for i in multi], self.block_m)
-        b = m + 4 * r
+        b = layout.blocks_at
         arr[b:b + nb] = -1
         arr[b:b + len(reqs)] = reqs
         arr[b + nb:b + nb + len(blocks)] = blocks
@@ -137,13 +142,13 @@ class TritonAttnBackend(AttentionBackend):
         exact = rows is not None
         md = TritonMetadata(padded=not exact)
         if s or not exact:
-            md.single = (dev[0:s], dev[s:2 * s], dev[2 * s:3 * s], dev[3 * s:3 * s + 2])
+            c = layout.ctl_at
+            md.single = (dev[0:s], dev[s:2 * s], dev[2 * s:c], dev[c:c + 2])
             md.single_items = (rows * decode_num_splits(rows, self.num_kv_heads, self.num_sms) if exact
                                else rows_items_cap(s, self.num_kv_heads, self.num_sms))
         if r or not exact:
-            m = 3 * s + 2
-            md.multi = (dev[m:m + r], dev[m + r:m + 2 * r], dev[m + 2 * r:m + 3 * r], dev[m + 3 * r:m + 4 * r],
-                        dev[m + 4 * r:m + 4 * r + 2 * nb].view(2, nb))
+            m, b = layout.multis_at, layout.blocks_at
+            md.multi = (*(dev[m + sec * r:m + (sec + 1) * r] for sec in range(4)), dev[b:b + 2 * nb].view(2, nb))
         return md
 
     def init_forward_metadata_capture(self, bs: int, fb: ForwardBatch) -> None:
