@@ -89,18 +89,20 @@ def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
         if longest is not None and longest["ms"] >= 0.6 * ms:
             classes["long step"] += 1
             slow_modes[longest.get("mode", "?")] += 1
-            long_steps.append({k: longest.get(k) for k in ("mode", "batch_size", "tokens", "decode_riders", "ms",
-                                                          "phases_ms", "events", "after")})
+            long_steps.append(longest)
         elif len(window) >= 2:
             classes["skipped"] += 1
             slow_modes["+".join(s.get("mode", "?") for s in window[:4])] += 1
         else:
             classes["delivery"] += 1
             delivery.append((a, b))
-    long_steps.sort(key=lambda s: -s["ms"])
+    # One long step makes a slow gap in every stream it carried: list each step once.
+    unique = sorted({id(s): s for s in long_steps}.values(), key=lambda s: -s["ms"])
+    slowest = [{k: s.get(k) for k in ("mode", "batch_size", "tokens", "decode_riders", "ms", "phases_ms", "events",
+                                      "after")} for s in unique[:10]]
     return {"itl_ms": {"p50": p50, "p90": pct(itl, 90), "p99": pct(itl, 99), "n": len(itl)},
             "slow_gaps": sum(classes.values()), "classes": dict(classes),
-            "slow_step_modes": dict(slow_modes.most_common(8)), "slowest_steps": long_steps[:10],
+            "slow_step_modes": dict(slow_modes.most_common(8)), "slowest_steps": slowest,
             "delivery_gaps": delivery}
 
 

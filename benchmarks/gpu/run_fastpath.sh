@@ -144,7 +144,7 @@ fi
 if stage serve; then  # one server config (SERVE_EXTRA flags) on SERVE_WORKLOADS, into serving/SERVE_LABEL
   case "${SERVE_EXTRA:-}" in *"--attention-backend triton"*) ;; *) fi_ready flashinfer;; esac; echo "== serve ${SERVE_LABEL:-custom} ($(left) s left)"
   EXTRA="${SERVE_EXTRA:-}" WORKLOADS="${SERVE_WORKLOADS:-c32 c1 c128 prefix}" timeout $(left) \
-    bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/${SERVE_LABEL:-custom} 2>&1 | tail -8
+    bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/${SERVE_LABEL:-custom} 2>&1 | tail -12
   pack serving
 fi
 if stage itl; then  # mixed chunked prefill with small chunks: inter-token latency tail at concurrency 32

@@ -25,8 +25,11 @@ for _ in $(seq 600); do  # fail fast if the server dies while loading
 done
 python benchmarks/bench_serving.py --base-url $URL --label warmup --num-prompts 16 --input-len 64 \
     --output-len 8 --max-concurrency 16 --wait 5 --eos-token-id 128001 > /dev/null || { tail -30 "$OUT/server.log"; exit 1; }
+# The host's CPU accounting beside c32 (steal time, the server's processes' CPU and preemptions, other load)
+want c32 && { python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32.json" & PROBE=$!; }
 want c32 && python benchmarks/bench_serving.py --base-url $URL --label random-c32 --dataset random --num-prompts 128 \
     --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32.json" $CT > /dev/null
+want c32 && { kill -INT $PROBE; wait $PROBE; }
 want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
 want c128 && python benchmarks/bench_serving.py --base-url $URL --label random-c128 --dataset random --num-prompts 512 \
