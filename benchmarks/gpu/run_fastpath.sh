@@ -5,7 +5,8 @@
 #   check    every attention backend vs transformers and each other; graphs vs eager, overlap on/off, mixed
 #   decode   decode step times per backend (graphs + eager) beside the plain PyTorch CUDA-graph step
 #   ab       batch-1/32 decode with a switch (AB_ENV, default RADIXLM_PDL: programmatic dependent launch) on,
-#            off, on, the plain graph step beside; `pdl` is the same stage
+#            off, on (AB_ON/AB_OFF: its values, default 1/0), the plain graph step beside; `pdl` is the same stage
+#   wake     how late the host wakes after the device's last copy, per way of waiting (wake_latency.py)
 #   offline  bench_offline random 256 x 512/256 and ShareGPT-like 1000
 #   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
 #   cudatests  engine, scheduler, sampler, piecewise tests on CUDA with the SmolLM2 GGUF (CUDATESTS overrides)
@@ -44,7 +45,8 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode ab offline serving cudatests smolcheck fibisect programs quicktest serve itl diag profile
+# Stages run in this order: test check decode ab offline serving cudatests smolcheck fibisect programs wake quicktest serve itl
+# diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -81,7 +83,7 @@ if stage ab || stage pdl; then  # AB_ENV (default RADIXLM_PDL) =1 / 0 / 1: batch
   for b in ${AB_BACKENDS:-triton flashinfer}; do
     fi_ready $b
     for run in on1 off on2; do
-      val=1; [ $run = off ] && val=0
+      val=${AB_ON:-1}; [ $run = off ] && val=${AB_OFF:-0}
       echo "== ab $V=$val $b ($(left) s left)"
       env $V=$val timeout $(left) python benchmarks/bench_decode.py --model-path $CFG --load-format dummy \
         --tokenizer-path $TOK --attention-backend $b --batch-sizes 1 32 --context 512 \
@@ -134,6 +136,11 @@ if stage programs; then  # issue 10's program workloads on the 8B shape, radix o
     grammar_backend=xgrammar" --out /tmp/r/programs/programs.json --plot /tmp/r/programs/programs.png 2>&1 \
     | grep -v -i "warn\|Loading" | tail -30
   tar czf "$DEST/programs.tgz" -C /tmp/r programs 2> /dev/null
+fi
+if stage wake; then  # how late the host wakes after the device's last copy, per way of waiting
+  echo "== wake ($(left) s left)"
+  timeout $(left) python benchmarks/gpu/wake_latency.py --out /tmp/r/decode/wake_latency.json 2>&1 | tail -8
+  pack decode
 fi
 if stage quicktest; then  # the kernel and piecewise-graph tests only (no GGUF needed)
   echo "== quicktest ($(left) s left)"
