@@ -7,6 +7,10 @@ event) is subtracted from the host's (before the start record to after the wait)
 latency plus the wake-up latency. A bare round trip (record, wait, no work) is timed too.
 
     python benchmarks/gpu/wake_latency.py [--out wake.json]
+
+On the H100 machine (2026-11-24): cudaEventSynchronize woke 25 us after the device's end (the bare round trip
+29 us), polling the event 23 us, a blocking-sync event 200 us; a batch-1 step waiting by polling was no faster
+than by synchronize (5.90/5.91 vs 5.77 ms in one run), so the runtime keeps cudaEventSynchronize.
 """
 from __future__ import annotations
 

@@ -2,15 +2,11 @@
 with an event the host waits on only when it needs the values (one step later under overlap scheduling)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 _RING = 3  # staging buffers in rotation; at most two packets are ever unread
-# How the host waits for a packet: "sync" (cudaEventSynchronize) or "poll" (query the event in a loop).
-# A benchmark switch: benchmarks/gpu/wake_latency.py measures how late each wakes after the copy lands.
-_WAIT = os.environ.get("RADIXLM_HOST_WAIT", "sync")
 
 
 @dataclass
@@ -20,11 +16,7 @@ class PendingCopy:
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
-            if _WAIT == "poll":
-                while not self.event.query():
-                    pass
-            else:
-                self.event.synchronize()
+            self.event.synchronize()
         return self.host
 
 
