@@ -67,6 +67,11 @@ def step_summary(steps: list[dict]) -> dict:
     out["slow_steps_with_events"] = {e: sum(e in s.get("events", []) for s in slow) for e in ("gc", "malloc", "free",
                                                                                              "retry")}
     out["slow_steps"] = len(slow)
+    # Where the scheduler thread was when a phase ran long (the trace's watcher took its stack then).
+    caught = Counter(f"{phase}: {' < '.join(reversed(stack[-3:]))}" for s in steps
+                     for phase, stack in s.get("stacks", {}).items())
+    if caught:
+        out["phase_stall_stacks"] = dict(caught.most_common(10))
     return out
 
 
@@ -99,7 +104,7 @@ def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
     # One long step makes a slow gap in every stream it carried: list each step once.
     unique = sorted({id(s): s for s in long_steps}.values(), key=lambda s: -s["ms"])
     slowest = [{k: s.get(k) for k in ("mode", "batch_size", "tokens", "decode_riders", "ms", "phases_ms", "events",
-                                      "after")} for s in unique[:10]]
+                                      "after", "stacks") if k in s} for s in unique[:10]]
     return {"itl_ms": {"p50": p50, "p90": pct(itl, 90), "p99": pct(itl, 99), "n": len(itl)},
             "slow_gaps": sum(classes.values()), "classes": dict(classes),
             "slow_step_modes": dict(slow_modes.most_common(8)), "slowest_steps": slowest,

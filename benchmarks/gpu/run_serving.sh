@@ -25,11 +25,17 @@ for _ in $(seq 600); do  # fail fast if the server dies while loading
 done
 python benchmarks/bench_serving.py --base-url $URL --label warmup --num-prompts 16 --input-len 64 \
     --output-len 8 --max-concurrency 16 --wait 5 --eos-token-id 128001 > /dev/null || { tail -30 "$OUT/server.log"; exit 1; }
-# The host's CPU accounting beside c32 (steal time, the server's processes' CPU and preemptions, other load)
-want c32 && { python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32.json" & PROBE=$!; }
-want c32 && python benchmarks/bench_serving.py --base-url $URL --label random-c32 --dataset random --num-prompts 128 \
-    --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32.json" $CT > /dev/null
-want c32 && { kill -INT $PROBE; wait $PROBE; }
+# C32_RUNS (default 1) runs of c32 (random_c32.json, random_c32_2.json, ...), each with the host's CPU accounting
+# beside it (steal time, the server's processes' CPU and preemptions, other load)
+for n in $(seq ${C32_RUNS:-1}); do
+    want c32 || break
+    sfx=$([ $n = 1 ] || echo _$n)
+    python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32$sfx.json" & PROBE=$!
+    python benchmarks/bench_serving.py --base-url $URL --label random-c32$sfx --dataset random --num-prompts 128 \
+        --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32$sfx.json" \
+        $CT > /dev/null
+    kill -INT $PROBE; wait $PROBE
+done
 want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
 want c128 && python benchmarks/bench_serving.py --base-url $URL --label random-c128 --dataset random --num-prompts 512 \
@@ -59,7 +65,7 @@ print("kv_free", st.get("kv_free"), "of", st.get("kv_total"), "OK" if st.get("kv
 PY
 kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
 if [ -n "$CT" ]; then
-  for f in random_c32 random_c128 shared_prefix json; do
+  for f in random_c32 random_c32_2 random_c32_3 random_c32_4 random_c128 shared_prefix json; do
     [ -f "$OUT/$f.json" ] && python benchmarks/itl_tail.py "$OUT/steps.jsonl" "$OUT/$f.json" --out "$OUT/tail_$f.json"
   done
 fi

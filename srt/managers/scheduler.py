@@ -37,6 +37,10 @@ from radixlm.srt.utils import freeze_startup_objects, to_device
 
 logger = logging.getLogger(__name__)
 
+
+def _no_phase(name: str | None) -> None:
+    pass
+
 INIT_NEW_TOKEN_RATIO = 0.7  # assumed fraction of max_new_tokens a request will really generate
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
@@ -138,12 +142,16 @@ class Scheduler(SchedulerOutputMixin):
         return bool(self.waiting or self.running or self.chunked or self._outputs or self.inflight)
 
     def step(self) -> list[TokenOutput]:
+        trace = self.step_trace
+        phase = trace.phase if trace is not None else _no_phase
         t0 = time.perf_counter()
+        phase("schedule")
         if self.grammar.queue:
             self._poll_grammars()
         outputs, self._outputs = self._outputs, []
         batch = self._schedule()
         t1 = time.perf_counter()
+        phase("forward")
         if batch is not None:
             try:
                 self._launch_forward(batch)
@@ -152,15 +160,19 @@ class Scheduler(SchedulerOutputMixin):
         t2 = time.perf_counter()
         ran = batch is not None or self.inflight is not None
         if self.overlap:
+            phase("process")
             if self.inflight is not None:
                 outputs += self._process(self.inflight)
                 self.inflight = None
             t3 = time.perf_counter()
+            phase("sample")
             if batch is not None and self._launch_sample(batch):
                 self.inflight = batch
         else:
+            phase("sample")
             sampled = batch is not None and self._launch_sample(batch)
             t3 = time.perf_counter()
+            phase("process")
             if sampled:
                 outputs += self._process(batch)
         outputs += self._outputs  # requests failed by a batch that ran out of memory
@@ -168,6 +180,7 @@ class Scheduler(SchedulerOutputMixin):
         t4 = time.perf_counter()
         self.stats.busy_seconds += t4 - t0
         if not ran:
+            phase(None)
             return outputs
         # Host time by phase (ms): schedule, forward launch, then process and sample launch in the order they
         # ran. With overlap, `process` includes waiting for the previous step's tokens from the device.
@@ -175,8 +188,8 @@ class Scheduler(SchedulerOutputMixin):
         info["phases_ms"] = {"schedule": (t1 - t0) * 1e3, "forward": (t2 - t1) * 1e3,
                              "process" if self.overlap else "sample": (t3 - t2) * 1e3,
                              "sample" if self.overlap else "process": (t4 - t3) * 1e3}
-        if self.step_trace is not None:
-            self.step_trace.record(t0, info, len(outputs))
+        if trace is not None:
+            trace.record(t0, info, len(outputs))
         return outputs
 
     def _poll_grammars(self) -> None:

@@ -57,15 +57,59 @@ class _JsonlTrace:
             self.lines = []
 
 
+def _stack(frame) -> list[str]:
+    import traceback
+
+    return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
+
+
 class StepTrace(_JsonlTrace):
+    """The scheduler's steps. The scheduler names each phase as it enters it (`phase`); a watcher thread takes
+    the scheduler thread's stack once whenever a phase runs past its usual length (PHASE_STACK_MS), and the
+    step's line carries those stacks: a phase stalled inside a call that lets go of the GIL (a CUDA call that
+    waits for the device, a lock) shows that call; one with no stack held the GIL or was not scheduled."""
+
+    PHASE_STACK_MS = {"schedule": 3.0, "forward": 3.0, "process": 14.0, "sample": 3.0}
+    SAMPLE_S = 0.002
+
+    def __init__(self, path: Path | None):
+        super().__init__(path)
+        self._phase: tuple[str, float] | None = None
+        self._stacks: list[tuple[str, list[str]]] = []
+        import threading
+
+        threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
+                         name="step-stall-watch").start()
+
     @classmethod
     def from_env(cls) -> "StepTrace | None":
         path = trace_path("steps")
         return cls(path) if path is not None else None
 
+    def phase(self, name: str | None) -> None:
+        self._phase = (name, time.perf_counter()) if name is not None else None
+
+    def _watch(self, thread: int) -> None:
+        seen = None
+        while True:
+            time.sleep(self.SAMPLE_S)
+            cur = self._phase
+            if cur is None or cur is seen or (time.perf_counter() - cur[1]) * 1e3 < self.PHASE_STACK_MS[cur[0]]:
+                continue
+            seen = cur  # one stack per phase, taken while it lasts
+            frame = sys._current_frames().get(thread)
+            if frame is not None:
+                stack = _stack(frame)
+                if self._phase is cur:  # still the same phase: the stack is this stall's
+                    self._stacks.append((cur[0], stack))
+
     def record(self, t0: float, info: dict, n_outputs: int) -> None:
+        self._phase = None
         rec = {"t": round(t0, 6), "outputs": n_outputs, **info,
                "gc": sum(g["collections"] for g in gc.get_stats())}
+        stacks, self._stacks = self._stacks, []
+        if stacks:
+            rec["stacks"] = dict(stacks)
         torch = sys.modules.get("torch")  # not imported here: a benchmark client uses ProcessTrace without it
         if torch is not None and torch.cuda.is_initialized():
             # device mallocs/frees and allocator retries synchronize the host
@@ -132,8 +176,6 @@ class ProcessTrace(_JsonlTrace):
     STALL_STACK_S = 0.015
 
     def _watch_stalls(self, loop_thread: int) -> None:
-        import traceback
-
         seen = None
         while True:
             time.sleep(self.STALL_SAMPLE_S)
@@ -142,5 +184,4 @@ class ProcessTrace(_JsonlTrace):
                 seen = tick  # one stack per stall, taken while it lasts
                 frame = sys._current_frames().get(loop_thread)
                 if frame is not None:
-                    self._stack = (tick, [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
-                                          for f in traceback.extract_stack(frame)[-12:]])
+                    self._stack = (tick, _stack(frame))

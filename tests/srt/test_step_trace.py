@@ -88,3 +88,23 @@ def test_loop_stall_carries_the_stack_that_held_it():
     lags = [json.loads(line) for line in trace.lines if '"lag"' in line]
     stalled = [r for r in lags if r["ms"] > 80]
     assert stalled and any("_block_the_loop" in frame for frame in stalled[0].get("stack", []))
+
+
+def _stall_in_sample(trace, until: float) -> None:
+    trace.phase("sample")
+    while not trace._stacks and time.monotonic() < until:  # a long phase: wait (GIL released) for the watcher
+        time.sleep(0.005)
+
+
+def test_long_scheduler_phase_carries_its_stack():
+    """A phase past its usual length gets the scheduler thread's stack in that step's line; short ones do not."""
+    from radixlm.srt.managers.step_trace import StepTrace
+
+    trace = StepTrace(None)
+    trace.phase("schedule")  # well under its 3 ms
+    trace.record(time.perf_counter(), {"mode": "decode"}, 0)
+    _stall_in_sample(trace, time.monotonic() + 5)
+    trace.record(time.perf_counter(), {"mode": "decode"}, 1)
+    quick, slow = (json.loads(line) for line in trace.lines)
+    assert "stacks" not in quick
+    assert list(slow["stacks"]) == ["sample"] and "_stall_in_sample" in slow["stacks"]["sample"][-1]
