@@ -3,11 +3,13 @@ put down to our processes or to the machine (steal time from a busy hypervisor, 
 
     python benchmarks/gpu/host_probe.py SERVER_PID OUT.json &   # ... run the workload ...; kill -INT $!
 
-Every 0.25 s it reads /proc/stat (user, system, iowait, steal, idle across all CPUs) and, for the server's process
-tree and every other process, its CPU ticks and (for the server's) involuntary context switches: a process that
-is runnable but put off the CPU by another counts one. On SIGINT it writes a summary: the machine's busy and
-steal shares (mean and the worst interval), each server process's CPU share and involuntary switches per second,
-and the other processes that used the most CPU.
+It wakes every millisecond and notes each of its own wake-ups more than 3 ms late (when the machine or the
+container, not only our processes, held it back). Every 0.25 s it reads /proc/stat (user, system, iowait, steal,
+idle across all CPUs); at the start and the end, the CPU cgroup's throttling counters, the CPU pressure, and for
+the server's process tree (each thread too) and every other process, CPU ticks and involuntary context switches
+(runnable but put off the CPU). On SIGINT it writes a summary: the machine's busy and steal shares (mean and the
+worst interval), throttling, each server process's and thread's CPU share and involuntary switches, its own late
+wake-ups, and the other processes that used the most CPU.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import time
 from pathlib import Path
 
 _INTERVAL = 0.25
+_HEARTBEAT = 0.001
+_LATE_MS = 3.0
 _TICK = os.sysconf("SC_CLK_TCK")
 _FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
@@ -67,6 +71,60 @@ def switches(pid: int) -> int:
     return 0
 
 
+def thread_counts(pid: int) -> dict[int, tuple[str, int, int]]:
+    """tid -> (thread name, user + system ticks, involuntary switches) for each thread of `pid`."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            inv = int(next(line.split()[1] for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+                            if line.startswith("nonvoluntary_ctxt_switches")))
+        except (OSError, StopIteration):
+            continue
+        rest = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (stat[stat.index("(") + 1:stat.rindex(")")], int(rest[11]) + int(rest[12]), inv)
+    return out
+
+
+_CGROUP_STATS = ("/sys/fs/cgroup/cpu.stat", "/sys/fs/cgroup/cpu/cpu.stat", "/sys/fs/cgroup/cpu,cpuacct/cpu.stat")
+_CGROUP_LIMITS = ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
+                  "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
+
+
+def throttling() -> dict[str, int]:
+    """The CPU cgroup's throttling counters (a quota stops all of its threads once a period's share is spent)
+    and the machine's CPU pressure (microseconds some task waited for a CPU)."""
+    out: dict[str, int] = {}
+    for path in _CGROUP_STATS:
+        try:
+            for line in Path(path).read_text().splitlines():
+                key, value = line.split()
+                if key in ("nr_periods", "nr_throttled", "throttled_usec", "throttled_time"):
+                    out[key] = int(value)
+            break
+        except (OSError, ValueError):
+            continue
+    try:
+        some = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        out["cpu_pressure_us"] = int(some.rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def cpu_limit() -> str:
+    for path in _CGROUP_LIMITS:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            continue
+    return "unknown"
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
@@ -89,10 +147,21 @@ def main() -> None:
     t0, m0, p0 = time.monotonic(), machine_ticks(), process_ticks()
     server = tree(root, p0)
     s0 = {pid: switches(pid) for pid in server}
+    th0 = {pid: thread_counts(pid) for pid in server}
+    c0 = throttling()
     worst = {"busy": 0.0, "steal": 0.0}
     prev = m0
+    late: list[tuple[float, float]] = []  # (time.perf_counter(), ms) of this probe's own late wake-ups
     while not stop:
-        time.sleep(_INTERVAL)
+        # A heartbeat of its own: a wake-up that comes late although this process has nothing else to do means
+        # the machine or the container held every process back then (throttling, a paused vCPU), not ours alone.
+        due = time.perf_counter() + _INTERVAL
+        while not stop and time.perf_counter() < due:
+            t = time.perf_counter()
+            time.sleep(_HEARTBEAT)
+            over = (time.perf_counter() - t - _HEARTBEAT) * 1e3
+            if over > _LATE_MS:
+                late.append((round(t, 6), round(over, 2)))
         cur = machine_ticks()
         total = sum(cur[f] - prev[f] for f in _FIELDS) or 1
         worst["busy"] = max(worst["busy"], 1 - (cur["idle"] - prev["idle"]) / total)
@@ -103,10 +172,20 @@ def main() -> None:
     ncpu = os.cpu_count() or 1
     share = {f: round((m1[f] - m0[f]) / total, 4) for f in _FIELDS}
     used = {pid: (p1[pid][1] - p0[pid][1]) / _TICK / secs for pid in p1 if pid in p0}
+    c1 = throttling()
+    threads = []
+    for pid in server:
+        for tid, (name, ticks, inv) in thread_counts(pid).items():
+            before = th0.get(pid, {}).get(tid, (name, 0, 0))
+            cpu, switched = (ticks - before[1]) / _TICK / secs, inv - before[2]
+            if cpu >= 0.01 or switched:
+                threads.append({"pid": pid, "tid": tid, "name": name, "cpu": round(cpu, 3), "involuntary": switched})
     report = {
         "cpu_model": cpu_model(), "cpus": ncpu, "seconds": round(secs, 2),
         "machine_share": share, "machine_busy_cpus": round((1 - share["idle"]) * ncpu, 2),
         "worst_interval": {k: round(v, 4) for k, v in worst.items()}, "interval_s": _INTERVAL,
+        "cgroup_cpu_limit": cpu_limit(), "throttling": {k: c1[k] - c0.get(k, 0) for k in c1},
+        "server_threads": threads, "own_late_wakeups": late,
         "server": [{"pid": pid, "name": p1[pid][0], "cpu": round(used.get(pid, 0.0), 3),
                     "involuntary_per_s": round((switches(pid) - s0.get(pid, 0)) / secs, 1)}
                    for pid in server if pid in p1],
@@ -117,7 +196,8 @@ def main() -> None:
     srv = ", ".join(f"{p['name']} {p['cpu']:.2f} cpu {p['involuntary_per_s']:.0f} inv/s" for p in report["server"]
                     if p["cpu"] >= 0.01)
     print(f"host: {report['cpu_model']} x{ncpu}, busy {report['machine_busy_cpus']} cpus, steal "
-          f"{share['steal']:.1%} (worst {worst['steal']:.1%}); server: {srv}; others: "
+          f"{share['steal']:.1%} (worst {worst['steal']:.1%}), throttling {report['throttling']}, own stalls "
+          f"{len(late)} (max {max((ms for _, ms in late), default=0):.1f} ms); server: {srv}; others: "
           + ", ".join(f"{o['name']} {o['cpu']:.2f}" for o in report["others"][:4]))
 
 

@@ -33,7 +33,7 @@ for n in $(seq ${C32_RUNS:-1}); do
     python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32$sfx.json" & PROBE=$!
     python benchmarks/bench_serving.py --base-url $URL --label random-c32$sfx --dataset random --num-prompts 128 \
         --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32$sfx.json" \
-        $CT > /dev/null
+        --seed $((n - 1)) $CT > /dev/null  # new prompts each run: no prefix cache hits from the last
     kill -INT $PROBE; wait $PROBE
 done
 want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \

@@ -76,6 +76,7 @@ class StepTrace(_JsonlTrace):
         super().__init__(path)
         self._phase: tuple[str, float] | None = None
         self._stacks: list[tuple[str, list[str]]] = []
+        self._late = 0.0
         import threading
 
         threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
@@ -92,7 +93,11 @@ class StepTrace(_JsonlTrace):
     def _watch(self, thread: int) -> None:
         seen = None
         while True:
+            t = time.perf_counter()
             time.sleep(self.SAMPLE_S)
+            # How late this thread got to run again: late with the scheduler thread in a call that let go of
+            # the GIL means the process itself was held back (throttled, not scheduled), not that thread.
+            self._late = max(self._late, time.perf_counter() - t - self.SAMPLE_S)
             cur = self._phase
             if cur is None or cur is seen or (time.perf_counter() - cur[1]) * 1e3 < self.PHASE_STACK_MS[cur[0]]:
                 continue
@@ -110,6 +115,9 @@ class StepTrace(_JsonlTrace):
         stacks, self._stacks = self._stacks, []
         if stacks:
             rec["stacks"] = dict(stacks)
+        late, self._late = self._late, 0.0
+        if late > 0.002:
+            rec["watch_late_ms"] = round(late * 1e3, 2)
         torch = sys.modules.get("torch")  # not imported here: a benchmark client uses ProcessTrace without it
         if torch is not None and torch.cuda.is_initialized():
             # device mallocs/frees and allocator retries synchronize the host
