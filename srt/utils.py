@@ -43,9 +43,10 @@ def parent_alive(parent_pid: int) -> bool:
 
 
 def to_device(host, device):
-    """A host tensor onto `device` without stalling the host on CUDA: a copy from pageable memory makes the
-    driver wait for the stream to drain first, which would undo overlap scheduling, so go through pinned
-    memory (PyTorch's caching host allocator keeps it alive until the copy has run)."""
+    """A host tensor onto `device`; on CUDA without stalling the host (through pinned memory allocated once:
+    model_executor/host_transfer.py says why)."""
     if getattr(device, "type", device) == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
+        from radixlm.srt.model_executor.host_transfer import upload
+
+        return upload(host, device)
     return host.to(device)

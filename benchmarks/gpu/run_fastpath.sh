@@ -145,7 +145,8 @@ fi
 if stage quicktest; then  # the kernel and piecewise-graph tests only (no GGUF needed)
   echo "== quicktest ($(left) s left)"
   timeout $((BUDGET / 4)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_piecewise.py \
-    tests/srt/test_attention_backends.py tests/srt/test_extend_graph.py 2>&1 | tail -30 | tee /tmp/r/test/pytest_quick.txt
+    tests/srt/test_attention_backends.py tests/srt/test_extend_graph.py tests/srt/test_host_transfer.py 2>&1 | tail -30 \
+    | tee /tmp/r/test/pytest_quick.txt
   pack test
 fi
 if stage serve; then  # one server config (SERVE_EXTRA flags) on SERVE_WORKLOADS, into serving/SERVE_LABEL

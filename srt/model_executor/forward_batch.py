@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixlm.srt.model_executor.host_transfer import pinned_empty
+
 if TYPE_CHECKING:
     from radixlm.srt.layers.attention.base import AttentionBackend
     from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -79,7 +81,8 @@ class ForwardBatch:
         if logits_indices is not None:
             parts.append(logits_indices)
         flat = [x for p in parts for x in p]
-        host = torch.empty(len(flat) + t, dtype=torch.int64, pin_memory=device.type == "cuda")
+        host = (pinned_empty(len(flat) + t, torch.int64, device) if device.type == "cuda"
+                else torch.empty(len(flat) + t, dtype=torch.int64))
         host[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
         host[len(flat):] = out_cache_loc
         dev = host.to(device, non_blocking=True)

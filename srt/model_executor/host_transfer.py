@@ -1,7 +1,18 @@
-"""The one device->host transfer per step: a flat float64 packet copied into pinned memory without blocking,
-with an event the host waits on only when it needs the values (one step later under overlap scheduling)."""
+"""Host <-> device transfers of a step without stalling the host.
+
+Device -> host: the one transfer per step, a flat float64 packet copied into pinned memory without blocking,
+with an event the host waits on only when it needs the values (one step later under overlap scheduling).
+
+Host -> device: the step's small uploads (slot tables, sampling parameters, attention metadata) go through one
+pinned ring allocated at start-up (`upload`, `pinned_empty`). A copy from pageable memory makes the driver wait
+for the stream to drain first, which would undo overlap scheduling; and pinning memory per call (a tensor's
+`pin_memory()`) stalled the H100 server's scheduler thread 5-12 ms at a time whenever the driver pinned new
+pages, with the device busy: a c32 run's ITL p99 doubled.
+"""
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,3 +52,78 @@ class HostStaging:
         event = torch.cuda.Event()
         event.record()
         return PendingCopy(host, event)
+
+
+class PinnedRing:
+    """Pinned host memory for uploads, handed out in order from CHUNKS equal chunks. Leaving a chunk records an
+    event after the copies from it; the chunk is handed out again only once that event has passed, CHUNKS - 1
+    chunks later (long done: a step's uploads are a few KB). A region is valid until its copy is enqueued."""
+
+    CHUNKS = 8
+    ALIGN = 64
+
+    def __init__(self, nbytes: int = 8 << 20, pin: bool = True, fence=None):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.chunk = nbytes // self.CHUNKS
+        self.fence = fence or _record_event  # () -> an object with synchronize(), marking the copies so far
+        self.fences: list = [None] * self.CHUNKS
+        self.current = 0
+        self.used = 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` of pinned memory (uint8), or None when that is more than a chunk."""
+        if nbytes > self.chunk:
+            return None
+        with self.lock:
+            if self.used + nbytes > self.chunk:
+                self.fences[self.current] = self.fence()
+                self.current = (self.current + 1) % self.CHUNKS
+                self.used = 0
+                if self.fences[self.current] is not None:
+                    self.fences[self.current].synchronize()
+            start = self.current * self.chunk + self.used
+            self.used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return self.buf[start:start + nbytes]
+
+
+def _record_event() -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+_rings: dict[int, PinnedRing] = {}
+
+
+def _ring(device: torch.device) -> PinnedRing:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ring = _rings.get(index)
+    if ring is None:
+        ring = _rings[index] = PinnedRing()
+    return ring
+
+
+# RADIXLM_UPLOAD=pin: pin memory per upload as before the ring (an A/B switch for the serving benchmark)
+_PER_CALL = os.environ.get("RADIXLM_UPLOAD") == "pin"
+
+
+def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor to fill and then upload to CUDA `device` at once (pinned; from the ring when it fits)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    region = _ring(device).take(nbytes) if nbytes and not _PER_CALL else None
+    if region is None:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return region.view(dtype).view(shape)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on CUDA `device`, copied without blocking the host (see the module's note)."""
+    if host.is_pinned():
+        return host.to(device, non_blocking=True)
+    if _PER_CALL:
+        return host.pin_memory().to(device, non_blocking=True)
+    staged = pinned_empty(tuple(host.shape), host.dtype, device)
+    staged.copy_(host)
+    return staged.to(device, non_blocking=True)

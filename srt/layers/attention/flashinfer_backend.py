@@ -36,7 +36,7 @@ class FlashInferMetadata:
 
 
 def _indptr(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).pin_memory()
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
 
 
 class FlashInferAttnBackend(AttentionBackend):
