@@ -91,6 +91,7 @@ class ModelRunner:
         self.extend_runner = None  # whole graphs for extend batches (ExtendGraphRunner)
         if self.device.type == "cuda":
             self.attn_backend.warmup()
+            self.sampler.warmup(self.dtype)
             t0 = time.perf_counter()
             for line in tune_skinny_linears(self.kernel_ops, self.model):
                 logger.info("skinny matmul: %s", line)
