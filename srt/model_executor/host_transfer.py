@@ -56,40 +56,46 @@ class HostStaging:
 
 class PinnedRing:
     """Pinned host memory for uploads, handed out in order from CHUNKS equal chunks. Leaving a chunk records an
-    event after the copies from it; the chunk is handed out again only once that event has passed, CHUNKS - 1
-    chunks later (long done: a step's uploads are a few KB). A region is valid until its copy is enqueued."""
+    event after the copies from it, on the stream they were enqueued on (a chunk serves one stream: an upload
+    on another stream moves on to the next chunk first); the chunk is handed out again only once that event has
+    passed, CHUNKS - 1 chunks later (long done: a step's uploads are a few KB). A region is valid until its copy
+    is enqueued."""
 
     CHUNKS = 8
     ALIGN = 64
 
-    def __init__(self, nbytes: int = 8 << 20, pin: bool = True, fence=None):
+    def __init__(self, nbytes: int = 8 << 20, pin: bool = True, fence=None, current_stream=None):
         self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.chunk = nbytes // self.CHUNKS
-        self.fence = fence or _record_event  # () -> an object with synchronize(), marking the copies so far
+        self.fence = fence or _record_event  # (stream) -> an object with synchronize(), after the copies so far
+        self.current_stream = current_stream or torch.cuda.current_stream
         self.fences: list = [None] * self.CHUNKS
         self.current = 0
         self.used = 0
+        self.stream = None  # the stream the current chunk's copies go to
         self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         """`nbytes` of pinned memory (uint8), or None when that is more than a chunk."""
         if nbytes > self.chunk:
             return None
+        stream = self.current_stream()
         with self.lock:
-            if self.used + nbytes > self.chunk:
-                self.fences[self.current] = self.fence()
+            if self.used and (self.used + nbytes > self.chunk or stream != self.stream):
+                self.fences[self.current] = self.fence(self.stream)
                 self.current = (self.current + 1) % self.CHUNKS
                 self.used = 0
                 if self.fences[self.current] is not None:
                     self.fences[self.current].synchronize()
+            self.stream = stream
             start = self.current * self.chunk + self.used
             self.used += -(-nbytes // self.ALIGN) * self.ALIGN
         return self.buf[start:start + nbytes]
 
 
-def _record_event() -> torch.cuda.Event:
+def _record_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event = torch.cuda.Event()
-    event.record()
+    event.record(stream)
     return event
 
 

@@ -17,7 +17,7 @@ class _Fence:
 
 def test_ring_hands_out_aligned_regions_and_waits_before_reusing_a_chunk():
     log: list = []
-    ring = PinnedRing(8 * 1024, pin=False, fence=lambda: _Fence(log))  # 8 chunks of 1 KB
+    ring = PinnedRing(8 * 1024, pin=False, fence=lambda stream: _Fence(log), current_stream=lambda: "s")  # 8 x 1 KB
     base = ring.buf.data_ptr()
     starts = []
     for _ in range(8 * 4):  # four 200-byte regions per chunk (each rounded up to 256)
@@ -32,6 +32,18 @@ def test_ring_hands_out_aligned_regions_and_waits_before_reusing_a_chunk():
     assert again.data_ptr() == base
     assert log[-2:] == [("record", 7), ("wait", 0)]
     assert ring.take(1025) is None  # more than a chunk: the caller pins its own
+
+
+def test_ring_gives_each_stream_its_own_chunk():
+    """A fence recorded on one stream says nothing of copies on another: a chunk never mixes streams."""
+    log: list = []
+    streams = iter(["a", "a", "b", "b", "a"])
+    fenced = []
+    ring = PinnedRing(8 * 1024, pin=False, fence=lambda stream: fenced.append(stream) or _Fence(log),
+                      current_stream=lambda: next(streams))
+    chunks = [(ring.take(64).data_ptr() - ring.buf.data_ptr()) // ring.chunk for _ in range(5)]
+    assert chunks == [0, 0, 1, 1, 2]
+    assert fenced == ["a", "b"]  # each chunk's fence on the stream its copies went to
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and copies need a CUDA device")
