@@ -7,8 +7,9 @@ It wakes every millisecond and notes each of its own wake-ups more than 3 ms lat
 container, not only our processes, held it back). Every 0.25 s it reads /proc/stat (user, system, iowait, steal,
 idle across all CPUs); at the start and the end, the CPU cgroup's throttling counters, the CPU pressure, and for
 the server's process tree (each thread too) and every other process, CPU ticks and involuntary context switches
-(runnable but put off the CPU). On SIGINT it writes a summary: the machine's busy and steal shares (mean and the
-worst interval), throttling, each server process's and thread's CPU share and involuntary switches, its own late
+(runnable but put off the CPU), and the kernel's memory events (NUMA hinting faults and migrations,
+compaction). On SIGINT it writes a summary: the machine's busy and steal shares (mean and the worst interval),
+throttling, memory events, each server process's and thread's CPU share and involuntary switches, its own late
 wake-ups, and the other processes that used the most CPU.
 """
 from __future__ import annotations
@@ -116,6 +117,24 @@ def throttling() -> dict[str, int]:
     return out
 
 
+_VMSTAT = ("numa_hint_faults", "numa_pages_migrated", "pgmigrate_success", "compact_stall", "thp_fault_alloc",
+           "pgmajfault", "allocstall_normal")
+
+
+def vm_events() -> dict[str, int]:
+    """Kernel memory events that stall whichever thread touches the page (NUMA balancing's hinting faults and
+    migrations, direct compaction, huge-page faults): a CUDA call that stalls with the machine idle may be one."""
+    out = {}
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            key, value = line.split()
+            if key in _VMSTAT:
+                out[key] = int(value)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def cpu_limit() -> str:
     for path in _CGROUP_LIMITS:
         try:
@@ -149,6 +168,7 @@ def main() -> None:
     s0 = {pid: switches(pid) for pid in server}
     th0 = {pid: thread_counts(pid) for pid in server}
     c0 = throttling()
+    v0 = vm_events()
     worst = {"busy": 0.0, "steal": 0.0}
     prev = m0
     late: list[tuple[float, float]] = []  # (time.perf_counter(), ms) of this probe's own late wake-ups
@@ -173,6 +193,7 @@ def main() -> None:
     share = {f: round((m1[f] - m0[f]) / total, 4) for f in _FIELDS}
     used = {pid: (p1[pid][1] - p0[pid][1]) / _TICK / secs for pid in p1 if pid in p0}
     c1 = throttling()
+    v1 = vm_events()
     threads = []
     for pid in server:
         for tid, (name, ticks, inv) in thread_counts(pid).items():
@@ -185,7 +206,7 @@ def main() -> None:
         "machine_share": share, "machine_busy_cpus": round((1 - share["idle"]) * ncpu, 2),
         "worst_interval": {k: round(v, 4) for k, v in worst.items()}, "interval_s": _INTERVAL,
         "cgroup_cpu_limit": cpu_limit(), "throttling": {k: c1[k] - c0.get(k, 0) for k in c1},
-        "server_threads": threads, "own_late_wakeups": late,
+        "server_threads": threads, "own_late_wakeups": late, "vm_events": {k: v1[k] - v0.get(k, 0) for k in v1},
         "server": [{"pid": pid, "name": p1[pid][0], "cpu": round(used.get(pid, 0.0), 3),
                     "involuntary_per_s": round((switches(pid) - s0.get(pid, 0)) / secs, 1)}
                    for pid in server if pid in p1],
