@@ -11,6 +11,7 @@
 #   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
 #   cudatests  engine, scheduler, sampler, piecewise tests on CUDA with the SmolLM2 GGUF (CUDATESTS overrides)
 #   quicktest  kernel + piecewise-graph + attention-backend tests;  serve  one server config (SERVE_* env)
+#   tailab   the c32 tail with the upload ring and with per-call pinning (RADIXLM_UPLOAD=pin), servers alternating
 # FlashInfer compiles its kernels in the background from the start (about 280 s on a fresh machine); stages and
 # backends that need it wait for it. BUDGET (s, default 570) bounds the whole call; BACKENDS picks backends.
 # Usage (device tool): bash benchmarks/gpu/run_fastpath.sh DEST [stages...]
@@ -45,8 +46,8 @@ fi_ready() { [ "$1" != flashinfer ] && return 0; wait $FI 2> /dev/null; tail -1 
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
-# Stages run in this order: test check decode ab offline serving cudatests smolcheck fibisect programs wake quicktest serve itl
-# diag profile
+# Stages run in this order: test check decode ab offline serving cudatests smolcheck fibisect programs wake quicktest serve
+# tailab itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -154,6 +155,17 @@ if stage serve; then  # one server config (SERVE_EXTRA flags) on SERVE_WORKLOADS
   EXTRA="${SERVE_EXTRA:-}" WORKLOADS="${SERVE_WORKLOADS:-c32 c1 c128 prefix}" timeout $(left) \
     bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/${SERVE_LABEL:-custom} 2>&1 | tail -12
   pack serving
+fi
+if stage tailab; then  # c32 tail, upload ring vs per-call pinning, servers alternating (TAILAB_ROUNDS, C32_RUNS)
+  for r in $(seq ${TAILAB_ROUNDS:-2}); do
+    for mode in ring pin; do
+      echo "== tailab $mode$r ($(left) s left)"
+      RADIXLM_UPLOAD=$mode C32_RUNS=${C32_RUNS:-2} TRACE=1 EXTRA="${SERVE_EXTRA:---attention-backend triton \
+        --enable-mixed-chunk --chunked-prefill-size 256}" WORKLOADS=c32 timeout $(left) \
+        bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/tailab_$mode$r 2>&1 | grep "host:\|random-c32"
+      pack serving
+    done
+  done
 fi
 if stage itl; then  # mixed chunked prefill with small chunks: inter-token latency tail at concurrency 32
   fi_ready flashinfer
