@@ -3,6 +3,7 @@ manager, benchmark client) line up on one clock, and itl_tail.py reads all of th
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,12 +25,17 @@ def test_output_path_trace_lines_up_with_steps(tmp_path):
     srv = ServerProcess("--max-total-tokens", "4096", env={"RADIXLM_STEP_TRACE": str(trace)})
     try:
         client = tmp_path / "run.json"
+        # the host probe beside the run, as run_serving.sh runs it on the GPU machine
+        probe = subprocess.Popen([sys.executable, str(ROOT / "benchmarks/gpu/host_probe.py"), str(srv.proc.pid),
+                                  str(tmp_path / "host.json")], env=ENV, stdout=subprocess.DEVNULL)
         bench = subprocess.run(
             [sys.executable, str(ROOT / "benchmarks/bench_serving.py"), "--base-url", srv.url, "--num-prompts", "4",
              "--max-concurrency", "2", "--input-len", "16", "--output-len", "8", "--save-chunk-times",
              "--out", str(client)], env=ENV, capture_output=True,
             text=True, timeout=300)
         assert bench.returncode == 0, bench.stderr[-2000:]
+        probe.send_signal(signal.SIGINT)
+        assert probe.wait(timeout=30) == 0
         # /flush_cache is the quiet moment at which the scheduler and tokenizer manager write their buffers out
         assert httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code == 200
     finally:
@@ -52,6 +58,12 @@ def test_output_path_trace_lines_up_with_steps(tmp_path):
     first_step = min(s["t"] for s in steps)
     assert min(e["sched"] for e in tok) > first_step
     assert sum(e["n"] for e in tok) >= sum(len(t) - 1 for t in report["chunk_times"])
+
+    host = json.loads((tmp_path / "host.json").read_text())
+    # the server's three processes (HTTP + tokenizer, scheduler, detokenizer), and the run kept the machine busy
+    assert srv.proc.pid in {p["pid"] for p in host["server"]} and len(host["server"]) >= 3
+    assert host["seconds"] > 0 and sum(p["cpu"] for p in host["server"]) > 0 and host["machine_busy_cpus"] > 0
+    assert set(host["machine_share"]) >= {"user", "system", "idle", "steal"}
 
     out = tmp_path / "tail.json"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/itl_tail.py"), str(trace), str(client),
