@@ -118,7 +118,7 @@ _PER_CALL = os.environ.get("RADIXLM_UPLOAD") == "pin"
 def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host tensor to fill and then upload to CUDA `device` at once (pinned; from the ring when it fits)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     region = _ring(device).take(nbytes) if nbytes and not _PER_CALL else None
     if region is None:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
