@@ -62,16 +62,6 @@ def tree(root: int, procs: dict) -> list[int]:
     return found
 
 
-def switches(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("nonvoluntary_ctxt_switches"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def thread_counts(pid: int) -> dict[int, tuple[str, int, int]]:
     """tid -> (thread name, user + system ticks, involuntary switches) for each thread of `pid`."""
     out = {}
@@ -165,7 +155,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     t0, m0, p0 = time.monotonic(), machine_ticks(), process_ticks()
     server = tree(root, p0)
-    s0 = {pid: switches(pid) for pid in server}
     th0 = {pid: thread_counts(pid) for pid in server}
     c0 = throttling()
     v0 = vm_events()
@@ -194,9 +183,11 @@ def main() -> None:
     used = {pid: (p1[pid][1] - p0[pid][1]) / _TICK / secs for pid in p1 if pid in p0}
     c1 = throttling()
     v1 = vm_events()
-    threads = []
+    threads, main_switches = [], {}
     for pid in server:
         for tid, (name, ticks, inv) in thread_counts(pid).items():
+            if tid == pid:  # the main thread: the process's own count, as /proc/PID/status gives it
+                main_switches[pid] = inv - th0.get(pid, {}).get(tid, (name, 0, 0))[2]
             before = th0.get(pid, {}).get(tid, (name, 0, 0))
             cpu, switched = (ticks - before[1]) / _TICK / secs, inv - before[2]
             if cpu >= 0.01 or switched:
@@ -208,7 +199,7 @@ def main() -> None:
         "cgroup_cpu_limit": cpu_limit(), "throttling": {k: c1[k] - c0.get(k, 0) for k in c1},
         "server_threads": threads, "own_late_wakeups": late, "vm_events": {k: v1[k] - v0.get(k, 0) for k in v1},
         "server": [{"pid": pid, "name": p1[pid][0], "cpu": round(used.get(pid, 0.0), 3),
-                    "involuntary_per_s": round((switches(pid) - s0.get(pid, 0)) / secs, 1)}
+                    "involuntary_per_s": round(main_switches.get(pid, 0) / secs, 1)}
                    for pid in server if pid in p1],
         "others": [{"pid": pid, "name": p1[pid][0], "cpu": round(c, 3), "cmd": cmdline(pid)}
                    for pid, c in sorted(used.items(), key=lambda kv: -kv[1]) if pid not in server and c >= 0.02][:8],
