@@ -72,7 +72,30 @@ def step_summary(steps: list[dict]) -> dict:
                      for phase, stack in s.get("stacks", {}).items())
     if caught:
         out["phase_stall_stacks"] = dict(caught.most_common(10))
+    stalls = [st for s in steps for st in s.get("stalls", [])]
+    if stalls:
+        out["phase_stalls"] = stall_summary(stalls)
     return out
+
+
+_SYSCALLS = {"0": "read", "1": "write", "7": "poll", "9": "mmap", "10": "mprotect", "11": "munmap", "16": "ioctl",
+             "24": "sched_yield", "28": "madvise", "35": "nanosleep", "202": "futex", "230": "clock_nanosleep",
+             "232": "epoll_wait", "281": "epoll_pwait"}  # x86-64
+
+
+def stall_summary(stalls: list[dict]) -> dict:
+    """Where the scheduler thread's caught stalls went, as the kernel saw the thread: on a CPU (work, ours or
+    the kernel's for us), runnable but off one (contention), or neither (waiting on a lock, the driver)."""
+    timed = [st for st in stalls if "on_cpu_ms" in st]
+    window = sum(st["window_ms"] for st in timed)
+    on_cpu = sum(st["on_cpu_ms"] for st in timed)
+    runq = sum(st["runq_ms"] for st in timed)
+    where = Counter(f"{st.get('state', '?')} {_SYSCALLS.get(st.get('syscall', '?'), st.get('syscall', '?'))} "
+                    f"{st.get('wchan', '-')}" for st in stalls)
+    return {"caught": len(stalls), "state_syscall_wchan": dict(where.most_common(8)),
+            "after_caught_ms": {"window": round(window, 1), "on_cpu": round(on_cpu, 1), "runq": round(runq, 1),
+                                "off_cpu": round(window - on_cpu - runq, 1)},
+            "moved_cpu": sum(st.get("cpu") != st.get("cpu_after") for st in timed)}
 
 
 def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
@@ -104,7 +127,7 @@ def classify(steps: list[dict], chunk_times: list[list[float]]) -> dict:
     # One long step makes a slow gap in every stream it carried: list each step once.
     unique = sorted({id(s): s for s in long_steps}.values(), key=lambda s: -s["ms"])
     slowest = [{k: s.get(k) for k in ("mode", "batch_size", "tokens", "decode_riders", "ms", "phases_ms", "events",
-                                      "after", "stacks") if k in s} for s in unique[:10]]
+                                      "after", "stacks", "stalls") if k in s} for s in unique[:10]]
     return {"itl_ms": {"p50": p50, "p90": pct(itl, 90), "p99": pct(itl, 99), "n": len(itl)},
             "slow_gaps": sum(classes.values()), "classes": dict(classes),
             "slow_step_modes": dict(slow_modes.most_common(8)), "slowest_steps": slowest,

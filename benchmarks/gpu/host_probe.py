@@ -5,12 +5,13 @@ put down to our processes or to the machine (steal time from a busy hypervisor, 
 
 It wakes every millisecond and notes each of its own wake-ups more than 3 ms late (when the machine or the
 container, not only our processes, held it back). Every 0.25 s it reads /proc/stat (user, system, iowait, steal,
-idle across all CPUs); at the start and the end, the CPU cgroup's throttling counters, the CPU pressure, and for
-the server's process tree (each thread too) and every other process, CPU ticks and involuntary context switches
-(runnable but put off the CPU), and the kernel's memory events (NUMA hinting faults and migrations,
-compaction). On SIGINT it writes a summary: the machine's busy and steal shares (mean and the worst interval),
-throttling, memory events, each server process's and thread's CPU share and involuntary switches, its own late
-wake-ups, and the other processes that used the most CPU.
+idle across all CPUs); at the start and the end: the CPU cgroup's throttling counters and the CPU pressure; for
+the server's process tree (each thread too) and every other process, CPU ticks, context switches (involuntary:
+runnable but put off the CPU) and moves between CPUs; the kernel's memory events (NUMA hinting faults and
+migrations, compaction); each CPU's steal time. On SIGINT it writes a summary: the machine's kernel settings
+(NUMA, huge pages), its busy and steal shares (mean and the worst interval), throttling, memory events, the CPUs
+most stolen from, each server process's and thread's CPU share and switches, its own late wake-ups, and the
+other processes that used the most CPU.
 """
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ _FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"
 def machine_ticks() -> dict[str, int]:
     first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     return dict(zip(_FIELDS, map(int, first[1:9])))
+
+
+def steal_per_cpu() -> dict[str, int]:
+    """cpuN -> steal ticks (time the hypervisor ran something else while that virtual CPU had work)."""
+    return {line.split()[0]: int(line.split()[8]) for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("cpu") and not line.startswith("cpu ")}
 
 
 def process_ticks() -> dict[int, tuple[str, int]]:
@@ -62,8 +69,9 @@ def tree(root: int, procs: dict) -> list[int]:
     return found
 
 
-def thread_counts(pid: int) -> dict[int, tuple[str, int, int]]:
-    """tid -> (thread name, user + system ticks, involuntary switches) for each thread of `pid`."""
+def thread_counts(pid: int) -> dict[int, tuple[str, int, int, int, int, int]]:
+    """tid -> (thread name, user + system ticks, involuntary switches, voluntary switches, moves between CPUs,
+    the CPU it last ran on) for each thread of `pid`."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -72,13 +80,41 @@ def thread_counts(pid: int) -> dict[int, tuple[str, int, int]]:
     for tid in tids:
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            inv = int(next(line.split()[1] for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
-                            if line.startswith("nonvoluntary_ctxt_switches")))
-        except (OSError, StopIteration):
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                          .splitlines() if ":" in line)
+            inv, vol = int(status["nonvoluntary_ctxt_switches"]), int(status["voluntary_ctxt_switches"])
+        except (OSError, KeyError, ValueError):
             continue
         rest = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (stat[stat.index("(") + 1:stat.rindex(")")], int(rest[11]) + int(rest[12]), inv)
+        out[int(tid)] = (stat[stat.index("(") + 1:stat.rindex(")")], int(rest[11]) + int(rest[12]), inv, vol,
+                         _sched_field(f"/proc/{pid}/task/{tid}/sched", "se.nr_migrations"), int(rest[36]))
     return out
+
+
+def _sched_field(path: str, key: str) -> int:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return int(float(line.split(":", 1)[1]))
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def machine_facts() -> dict:
+    """Kernel settings that can stall a thread touching memory: NUMA nodes and automatic NUMA balancing (which
+    unmaps pages now and then to see who touches them), transparent huge pages and their defragmentation."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return "?"
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return {"kernel": platform.release(), "numa_nodes": {n.name: read(f"{n}/cpulist") for n in nodes},
+            "numa_balancing": read("/proc/sys/kernel/numa_balancing"),
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+            "clocksource": read("/sys/devices/system/clocksource/clocksource0/current_clocksource")}
 
 
 _CGROUP_STATS = ("/sys/fs/cgroup/cpu.stat", "/sys/fs/cgroup/cpu/cpu.stat", "/sys/fs/cgroup/cpu,cpuacct/cpu.stat")
@@ -157,7 +193,7 @@ def main() -> None:
     server = tree(root, p0)
     th0 = {pid: thread_counts(pid) for pid in server}
     c0 = throttling()
-    v0 = vm_events()
+    v0, st0 = vm_events(), steal_per_cpu()
     worst = {"busy": 0.0, "steal": 0.0}
     prev = m0
     late: list[tuple[float, float]] = []  # (time.perf_counter(), ms) of this probe's own late wake-ups
@@ -182,22 +218,26 @@ def main() -> None:
     share = {f: round((m1[f] - m0[f]) / total, 4) for f in _FIELDS}
     used = {pid: (p1[pid][1] - p0[pid][1]) / _TICK / secs for pid in p1 if pid in p0}
     c1 = throttling()
-    v1 = vm_events()
+    v1, st1 = vm_events(), steal_per_cpu()
+    stolen = sorted(((st1[c] - st0.get(c, 0)) * 1e3 / _TICK, c) for c in st1)[::-1]
     threads, main_switches = [], {}
     for pid in server:
-        for tid, (name, ticks, inv) in thread_counts(pid).items():
+        for tid, (name, ticks, inv, vol, moved, last_cpu) in thread_counts(pid).items():
+            before = th0.get(pid, {}).get(tid, (name, 0, 0, 0, 0, 0))
             if tid == pid:  # the main thread: the process's own count, as /proc/PID/status gives it
-                main_switches[pid] = inv - th0.get(pid, {}).get(tid, (name, 0, 0))[2]
-            before = th0.get(pid, {}).get(tid, (name, 0, 0))
+                main_switches[pid] = inv - before[2]
             cpu, switched = (ticks - before[1]) / _TICK / secs, inv - before[2]
             if cpu >= 0.01 or switched:
-                threads.append({"pid": pid, "tid": tid, "name": name, "cpu": round(cpu, 3), "involuntary": switched})
+                threads.append({"pid": pid, "tid": tid, "name": name, "cpu": round(cpu, 3), "involuntary": switched,
+                                "voluntary": vol - before[3], "cpu_moves": moved - before[4],
+                                "last_cpu": last_cpu})
     report = {
-        "cpu_model": cpu_model(), "cpus": ncpu, "seconds": round(secs, 2),
+        "cpu_model": cpu_model(), "cpus": ncpu, "seconds": round(secs, 2), "facts": machine_facts(),
         "machine_share": share, "machine_busy_cpus": round((1 - share["idle"]) * ncpu, 2),
         "worst_interval": {k: round(v, 4) for k, v in worst.items()}, "interval_s": _INTERVAL,
         "cgroup_cpu_limit": cpu_limit(), "throttling": {k: c1[k] - c0.get(k, 0) for k in c1},
-        "server_threads": threads, "own_late_wakeups": late, "vm_events": {k: v1[k] - v0.get(k, 0) for k in v1},
+        "steal_ms_by_cpu": {c: ms for ms, c in stolen[:6] if ms > 0}, "server_threads": threads,
+        "own_late_wakeups": late, "vm_events": {k: v1[k] - v0.get(k, 0) for k in v1},
         "server": [{"pid": pid, "name": p1[pid][0], "cpu": round(used.get(pid, 0.0), 3),
                     "involuntary_per_s": round(main_switches.get(pid, 0) / secs, 1)}
                    for pid in server if pid in p1],
@@ -210,7 +250,9 @@ def main() -> None:
     print(f"host: {report['cpu_model']} x{ncpu}, busy {report['machine_busy_cpus']} cpus, steal "
           f"{share['steal']:.1%} (worst {worst['steal']:.1%}), throttling {report['throttling']}, own stalls "
           f"{len(late)} (max {max((ms for _, ms in late), default=0):.1f} ms); server: {srv}; others: "
-          + ", ".join(f"{o['name']} {o['cpu']:.2f}" for o in report["others"][:4]))
+          + ", ".join(f"{o['name']} {o['cpu']:.2f}" for o in report["others"][:4])
+          + f"; numa nodes {len(report['facts']['numa_nodes'])} balancing {report['facts']['numa_balancing']}, "
+          f"memory events {report['vm_events']}; steal ms by cpu {report['steal_ms_by_cpu']}")
 
 
 if __name__ == "__main__":

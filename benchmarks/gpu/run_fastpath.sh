@@ -11,7 +11,8 @@
 #   serving  run_serving.sh (random c1/c32/c128, shared prefix, KV-free check after /flush_cache), mixed chunk
 #   cudatests  engine, scheduler, sampler, piecewise tests on CUDA with the SmolLM2 GGUF (CUDATESTS overrides)
 #   quicktest  kernel + piecewise-graph + attention-backend tests;  serve  one server config (SERVE_* env)
-#   tailab   the c32 tail with the upload ring and with per-call pinning (RADIXLM_UPLOAD=pin), servers alternating
+#   facts    the host: NUMA layout and balancing, huge pages, GPU topology, the busiest processes
+#   tailab   the c32 tail per server setting (TAILAB_MODES; default the upload ring vs per-call pinning)
 # FlashInfer compiles its kernels in the background from the start (about 280 s on a fresh machine); stages and
 # backends that need it wait for it. BUDGET (s, default 570) bounds the whole call; BACKENDS picks backends.
 # Usage (device tool): bash benchmarks/gpu/run_fastpath.sh DEST [stages...]
@@ -31,7 +32,8 @@ export PYTHONPATH=$PWD:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
 export MAX_JOBS=16 RADIXLM_TEST_TOKENIZER=$TOK
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python - > "$DEST/fi_build.log" 2>&1 <<'PY' &
+# FI_BUILD=0: no FlashInfer build (a Triton-only call, e.g. a latency run that its compile jobs would disturb)
+[ "${FI_BUILD:-1}" = 1 ] && python - > "$DEST/fi_build.log" 2>&1 <<'PY' &
 import logging, time, torch
 logging.basicConfig(level=logging.INFO)
 from radixlm.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -47,7 +49,7 @@ stage() { [[ " $STAGES " == *" $1 "* ]]; }
 pack() { tar czf "$DEST/$1.tgz" -C /tmp/r "$1" 2> /dev/null; }
 mkdir -p /tmp/r/{test,check,decode,offline,serving}
 # Stages run in this order: test check decode ab offline serving cudatests smolcheck fibisect programs wake quicktest serve
-# tailab itl diag profile
+# facts tailab itl diag profile
 if stage test; then
   echo "== test ($(left) s left)"
   timeout $((BUDGET / 5)) python -m pytest -q -p no:cacheprovider --tb=short tests/kernels tests/srt/test_attention_backends.py \
@@ -156,11 +158,19 @@ if stage serve; then  # one server config (SERVE_EXTRA flags) on SERVE_WORKLOADS
     bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/${SERVE_LABEL:-custom} 2>&1 | tail -12
   pack serving
 fi
-if stage tailab; then  # c32 tail, upload ring vs per-call pinning, servers alternating (TAILAB_ROUNDS, C32_RUNS)
+if stage facts; then  # what the host is: NUMA layout and balancing, huge pages, GPU topology, who else runs
+  echo "== facts"
+  { uname -r; lscpu | grep -i "numa\|model name\|^cpu(s)\|thread"; cat /proc/sys/kernel/numa_balancing
+    cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
+    nvidia-smi topo -m; nvidia-smi -q | grep -i "persistence\|bus id"
+    ps -eo pid,pcpu,rss,comm --sort=-pcpu | head -15; } 2>&1 | tee /tmp/r/serving/facts.txt
+fi
+if stage tailab; then  # c32 tail per server setting, servers alternating (TAILAB_ROUNDS, C32_RUNS)
+  # TAILAB_MODES: label:VAR=value,VAR=value ... (default: the upload ring vs per-call pinning)
   for r in $(seq ${TAILAB_ROUNDS:-2}); do
-    for mode in ring pin; do
-      echo "== tailab $mode$r ($(left) s left)"
-      RADIXLM_UPLOAD=$mode C32_RUNS=${C32_RUNS:-2} TRACE=1 EXTRA="${SERVE_EXTRA:---attention-backend triton \
+    for spec in ${TAILAB_MODES:-ring:RADIXLM_UPLOAD=ring pin:RADIXLM_UPLOAD=pin}; do
+      mode=${spec%%:*}; echo "== tailab $mode$r ($(left) s left)"
+      env ${spec#*:} C32_RUNS=${C32_RUNS:-2} TRACE=1 EXTRA="${SERVE_EXTRA:---attention-backend triton \
         --enable-mixed-chunk --chunked-prefill-size 256}" WORKLOADS=c32 timeout $(left) \
         bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/tailab_$mode$r 2>&1 | grep "host:\|random-c32"
       pack serving

@@ -63,11 +63,40 @@ def _stack(frame) -> list[str]:
     return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
 
 
+def _thread_state(tid: int) -> dict:
+    """What the kernel says a thread of this process is doing now: state, CPU, system call, wait channel."""
+    base, out = f"/proc/self/task/{tid}", {}
+    try:
+        stat = Path(f"{base}/stat").read_text()
+        rest = stat[stat.rindex(")") + 2:].split()
+        out["state"], out["cpu"] = rest[0], int(rest[36])  # stat's fields 3 and 39
+        out["syscall"] = Path(f"{base}/syscall").read_text().split()[0]  # a number, or "running"
+        out["wchan"] = Path(f"{base}/wchan").read_text().strip() or "-"
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def _schedstat(tid: int) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for one) so far, for a thread of this process."""
+    try:
+        on_cpu, waiting = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:2]
+        return int(on_cpu), int(waiting)
+    except (OSError, ValueError):
+        return None
+
+
 class StepTrace(_JsonlTrace):
     """The scheduler's steps. The scheduler names each phase as it enters it (`phase`); a watcher thread takes
     the scheduler thread's stack once whenever a phase runs past its usual length (PHASE_STACK_MS), and the
     step's line carries those stacks: a phase stalled inside a call that lets go of the GIL (a CUDA call that
-    waits for the device, a lock) shows that call; one with no stack held the GIL or was not scheduled."""
+    waits for the device, a lock) shows that call; one with no stack held the GIL or was not scheduled.
+
+    With each stack goes what the kernel says of the thread then (`stalls`): its state (R running or runnable,
+    S sleeping, D in uninterruptible wait), the system call it is in and the kernel function it waits in, and,
+    over the rest of the phase, how long it was on a CPU and how long runnable but waiting for one. A stall
+    spent on a CPU is work (ours, or the kernel's on our behalf: page faults, NUMA scanning); one spent waiting
+    for a CPU is contention; one spent in neither is a wait (a lock, the driver, the device)."""
 
     PHASE_STACK_MS = {"schedule": 3.0, "forward": 3.0, "process": 14.0, "sample": 3.0}
     SAMPLE_S = 0.002
@@ -76,9 +105,12 @@ class StepTrace(_JsonlTrace):
         super().__init__(path)
         self._phase: tuple[str, float] | None = None
         self._stacks: list[tuple[str, list[str]]] = []
+        self._stalls: list[dict] = []
         self._late = 0.0
+        self._pending: tuple[dict, tuple[int, int] | None, float] | None = None  # a stall whose phase runs on
         import threading
 
+        self._tid = threading.get_native_id()
         threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
                          name="step-stall-watch").start()
 
@@ -88,7 +120,21 @@ class StepTrace(_JsonlTrace):
         return cls(path) if path is not None else None
 
     def phase(self, name: str | None) -> None:
+        if self._pending is not None:
+            self._finish_stall()
         self._phase = (name, time.perf_counter()) if name is not None else None
+
+    def _finish_stall(self) -> None:
+        """On the scheduler thread, as the stalled phase ends: its CPU time and run-queue wait since the watcher
+        caught it."""
+        stall, before, t = self._pending
+        self._pending = None
+        after = _schedstat(self._tid)
+        stall["window_ms"] = round((time.perf_counter() - t) * 1e3, 2)
+        if before is not None and after is not None:
+            stall["on_cpu_ms"] = round((after[0] - before[0]) / 1e6, 2)
+            stall["runq_ms"] = round((after[1] - before[1]) / 1e6, 2)
+        stall["cpu_after"] = _thread_state(self._tid).get("cpu")
 
     def _watch(self, thread: int) -> None:
         seen = None
@@ -102,19 +148,26 @@ class StepTrace(_JsonlTrace):
             if cur is None or cur is seen or (time.perf_counter() - cur[1]) * 1e3 < self.PHASE_STACK_MS[cur[0]]:
                 continue
             seen = cur  # one stack per phase, taken while it lasts
+            state, before, t = _thread_state(self._tid), _schedstat(self._tid), time.perf_counter()
             frame = sys._current_frames().get(thread)
             if frame is not None:
                 stack = _stack(frame)
                 if self._phase is cur:  # still the same phase: the stack is this stall's
                     self._stacks.append((cur[0], stack))
+                    stall = {"phase": cur[0], "at_ms": round((t - cur[1]) * 1e3, 2), **state}
+                    self._stalls.append(stall)
+                    self._pending = (stall, before, t)
 
     def record(self, t0: float, info: dict, n_outputs: int) -> None:
-        self._phase = None
+        self.phase(None)
         rec = {"t": round(t0, 6), "outputs": n_outputs, **info,
                "gc": sum(g["collections"] for g in gc.get_stats())}
         stacks, self._stacks = self._stacks, []
         if stacks:
             rec["stacks"] = dict(stacks)
+        stalls, self._stalls = self._stalls, []
+        if stalls:
+            rec["stalls"] = stalls
         late, self._late = self._late, 0.0
         if late > 0.002:
             rec["watch_late_ms"] = round(late * 1e3, 2)

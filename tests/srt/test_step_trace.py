@@ -116,7 +116,27 @@ def test_long_scheduler_phase_carries_its_stack():
     trace.phase("schedule")  # well under its 3 ms
     trace.record(time.perf_counter(), {"mode": "decode"}, 0)
     _stall_in_sample(trace, time.monotonic() + 5)
+    time.sleep(0.05)  # the stall goes on after the watcher caught it
     trace.record(time.perf_counter(), {"mode": "decode"}, 1)
     quick, slow = (json.loads(line) for line in trace.lines)
-    assert "stacks" not in quick
+    assert "stacks" not in quick and "stalls" not in quick
     assert list(slow["stacks"]) == ["sample"] and "_stall_in_sample" in slow["stacks"]["sample"][-1]
+    # The thread slept through the stall: the kernel saw it asleep, and off a CPU for most of what followed.
+    (stall,) = slow["stalls"]
+    assert stall["phase"] == "sample" and stall["at_ms"] >= StepTrace.PHASE_STACK_MS["sample"]
+    assert stall["state"] in ("S", "R") and stall["syscall"] and stall["wchan"]
+    assert stall["window_ms"] >= 40 and stall["on_cpu_ms"] < stall["window_ms"] / 2 and stall["runq_ms"] >= 0
+
+
+def test_stall_summary_splits_caught_time_by_where_the_thread_was():
+    from benchmarks.itl_tail import stall_summary
+
+    got = stall_summary([
+        {"state": "S", "syscall": "16", "wchan": "x", "cpu": 3, "cpu_after": 3, "window_ms": 10.0,
+         "on_cpu_ms": 2.0, "runq_ms": 1.0},
+        {"state": "R", "syscall": "running", "wchan": "-", "cpu": 3, "cpu_after": 5, "window_ms": 6.0,
+         "on_cpu_ms": 6.0, "runq_ms": 0.0},
+        {"state": "S", "syscall": "202", "wchan": "futex_wait_queue"}])  # its phase never ended in the trace
+    assert got["caught"] == 3 and got["moved_cpu"] == 1
+    assert got["after_caught_ms"] == {"window": 16.0, "on_cpu": 8.0, "runq": 1.0, "off_cpu": 7.0}
+    assert got["state_syscall_wchan"] == {"S ioctl x": 1, "R running -": 1, "S futex futex_wait_queue": 1}
