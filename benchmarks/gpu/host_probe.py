@@ -8,7 +8,8 @@ container, not only our processes, held it back). Every 0.25 s it reads /proc/st
 idle across all CPUs); at the start and the end: the CPU cgroup's throttling counters and the CPU pressure; for
 the server's process tree (each thread too) and every other process, CPU ticks, context switches (involuntary:
 runnable but put off the CPU) and moves between CPUs; the kernel's memory events (NUMA hinting faults and
-migrations, compaction); each CPU's steal time. On SIGINT it writes a summary: the machine's kernel settings
+migrations, compaction); each CPU's interrupt, softirq and steal time, and the interrupts and softirqs that fired
+on the CPUs where the server's busy threads ran. On SIGINT it writes a summary: the machine's kernel settings
 (NUMA, huge pages), its busy and steal shares (mean and the worst interval), throttling, memory events, the CPUs
 most stolen from, each server process's and thread's CPU share and switches, its own late wake-ups, and the
 other processes that used the most CPU.
@@ -35,10 +36,35 @@ def machine_ticks() -> dict[str, int]:
     return dict(zip(_FIELDS, map(int, first[1:9])))
 
 
-def steal_per_cpu() -> dict[str, int]:
-    """cpuN -> steal ticks (time the hypervisor ran something else while that virtual CPU had work)."""
-    return {line.split()[0]: int(line.split()[8]) for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("cpu") and not line.startswith("cpu ")}
+def per_cpu() -> dict[str, tuple[int, int, int]]:
+    """cpuN -> (irq, softirq, steal) ticks: time that CPU spent on interrupts and deferred interrupt work, and
+    time the hypervisor ran something else while it had work; a thread on that CPU loses all three."""
+    return {f[0]: (int(f[6]), int(f[7]), int(f[8])) for f in (line.split() for line in
+            Path("/proc/stat").read_text().splitlines()) if f[0].startswith("cpu") and f[0] != "cpu"}
+
+
+def interrupt_counts(path: str) -> dict[tuple[str, int], int]:
+    """(source, cpu index) -> count, from /proc/interrupts or /proc/softirqs."""
+    out = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return out
+    ncpu = len(lines[0].split())
+    for line in lines[1:]:
+        head, _, rest = line.partition(":")
+        fields = rest.split()
+        desc = " ".join(fields[ncpu:])[-30:]
+        for i, v in enumerate(fields[:ncpu]):
+            if v.isdigit():
+                out[(f"{head.strip()} {desc}".strip(), i)] = int(v)
+    return out
+
+
+def busiest_interrupts(before: dict, after: dict, cpus: set[int], n: int = 6) -> list[list]:
+    """The interrupt sources that fired most per second on `cpus` between two counts."""
+    moved = sorted(((after[k] - before.get(k, 0), k) for k in after if k[1] in cpus), reverse=True)
+    return [[src, cpu, count] for count, (src, cpu) in moved[:n] if count > 0]
 
 
 def process_ticks() -> dict[int, tuple[str, int]]:
@@ -193,7 +219,8 @@ def main() -> None:
     server = tree(root, p0)
     th0 = {pid: thread_counts(pid) for pid in server}
     c0 = throttling()
-    v0, st0 = vm_events(), steal_per_cpu()
+    v0, pc0 = vm_events(), per_cpu()
+    irq0, soft0 = interrupt_counts("/proc/interrupts"), interrupt_counts("/proc/softirqs")
     worst = {"busy": 0.0, "steal": 0.0}
     prev = m0
     late: list[tuple[float, float]] = []  # (time.perf_counter(), ms) of this probe's own late wake-ups
@@ -218,8 +245,10 @@ def main() -> None:
     share = {f: round((m1[f] - m0[f]) / total, 4) for f in _FIELDS}
     used = {pid: (p1[pid][1] - p0[pid][1]) / _TICK / secs for pid in p1 if pid in p0}
     c1 = throttling()
-    v1, st1 = vm_events(), steal_per_cpu()
-    stolen = sorted(((st1[c] - st0.get(c, 0)) * 1e3 / _TICK, c) for c in st1)[::-1]
+    v1, pc1 = vm_events(), per_cpu()
+    irq1, soft1 = interrupt_counts("/proc/interrupts"), interrupt_counts("/proc/softirqs")
+    lost = {c: [round((a - b) * 1e3 / _TICK / secs, 1) for a, b in zip(pc1[c], pc0.get(c, (0, 0, 0)))]
+            for c in pc1}  # ms per second of irq, softirq, steal
     threads, main_switches = [], {}
     for pid in server:
         for tid, (name, ticks, inv, vol, moved, last_cpu) in thread_counts(pid).items():
@@ -236,7 +265,9 @@ def main() -> None:
         "machine_share": share, "machine_busy_cpus": round((1 - share["idle"]) * ncpu, 2),
         "worst_interval": {k: round(v, 4) for k, v in worst.items()}, "interval_s": _INTERVAL,
         "cgroup_cpu_limit": cpu_limit(), "throttling": {k: c1[k] - c0.get(k, 0) for k in c1},
-        "steal_ms_by_cpu": {c: ms for ms, c in stolen[:6] if ms > 0}, "server_threads": threads,
+        "lost_ms_per_s_by_cpu": {c: dict(zip(("irq", "softirq", "steal"), v)) for c, v in
+                                 sorted(lost.items(), key=lambda kv: -sum(kv[1]))[:6] if sum(v) > 0},
+        "server_thread_cpus": sorted({t["last_cpu"] for t in threads}), "server_threads": threads,
         "own_late_wakeups": late, "vm_events": {k: v1[k] - v0.get(k, 0) for k in v1},
         "server": [{"pid": pid, "name": p1[pid][0], "cpu": round(used.get(pid, 0.0), 3),
                     "involuntary_per_s": round(main_switches.get(pid, 0) / secs, 1)}
@@ -244,6 +275,9 @@ def main() -> None:
         "others": [{"pid": pid, "name": p1[pid][0], "cpu": round(c, 3), "cmd": cmdline(pid)}
                    for pid, c in sorted(used.items(), key=lambda kv: -kv[1]) if pid not in server and c >= 0.02][:8],
     }
+    main_cpus = {t["last_cpu"] for t in threads if t["cpu"] >= 0.3}  # where the busy threads ran (the scheduler)
+    report["interrupts_on_busy_cpus"] = busiest_interrupts(irq0, irq1, main_cpus)
+    report["softirqs_on_busy_cpus"] = busiest_interrupts(soft0, soft1, main_cpus)
     out.write_text(json.dumps(report, indent=1))
     srv = ", ".join(f"{p['name']} {p['cpu']:.2f} cpu {p['involuntary_per_s']:.0f} inv/s" for p in report["server"]
                     if p["cpu"] >= 0.01)
@@ -252,7 +286,9 @@ def main() -> None:
           f"{len(late)} (max {max((ms for _, ms in late), default=0):.1f} ms); server: {srv}; others: "
           + ", ".join(f"{o['name']} {o['cpu']:.2f}" for o in report["others"][:4])
           + f"; numa nodes {len(report['facts']['numa_nodes'])} balancing {report['facts']['numa_balancing']}, "
-          f"memory events {report['vm_events']}; steal ms by cpu {report['steal_ms_by_cpu']}")
+          f"memory events {report['vm_events']}; lost ms/s by cpu {report['lost_ms_per_s_by_cpu']}; busy cpus "
+          f"{sorted(main_cpus)}: irqs {report['interrupts_on_busy_cpus'][:3]} softirqs "
+          f"{report['softirqs_on_busy_cpus'][:3]}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
                           parent_pid: int, ready) -> None:
     die_with_parent()
     configure_logging(args.log_level, "[scheduler] ")
+    cpus = os.environ.get("RADIXLM_SCHEDULER_CPUS")
+    if cpus:  # keep the loop off CPUs that something else (interrupts, other work) takes time from
+        os.sched_setaffinity(0, cpu_list(cpus))
+        logger.info("scheduler on CPUs %s", cpus)
     try:
         loaded = load_model(model_path, tokenizer_path=tokenizer_path, dtype=args.dtype, device=args.device,
                             context_length=args.context_length, served_model_name=args.served_model_name,
@@ -57,6 +61,15 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         sys.exit(1)
+
+
+def cpu_list(spec: str) -> set[int]:
+    """"0-3,8" -> {0, 1, 2, 3, 8} (the kernel's cpulist format)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 class SchedulerLoop:
