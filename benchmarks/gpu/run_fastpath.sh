@@ -164,6 +164,8 @@ if stage facts; then  # what the host is: NUMA layout and balancing, huge pages,
     cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
     nvidia-smi topo -m; nvidia-smi -q | grep -i "persistence\|bus id"
     ps -eo pid,pcpu,rss,comm --sort=-pcpu | head -15; } 2>&1 | tee /tmp/r/serving/facts.txt
+  { cat /proc/interrupts /proc/softirqs; ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -40; } \
+    >> /tmp/r/serving/facts.txt 2>&1
 fi
 if stage tailab; then  # c32 tail per server setting, servers alternating (TAILAB_ROUNDS, C32_RUNS)
   # TAILAB_MODES: label:VAR=value,VAR=value ... (default: the upload ring vs per-call pinning)
