@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ class ServerArgs:
     force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "
                                         "by default, where the forward is asynchronous); for tests")
     enable_mixed_chunk: bool = _opt(False, "let running requests decode in the same batch as a prefill chunk")
+    scheduler_cpus: str = _opt("auto", "CPUs the scheduler loop runs on: auto (on CUDA, moves it off a CPU that "
+                               "loses over 5%% of its time to interrupts, softirqs or the hypervisor, checked "
+                               "every second), none (the kernel places it), or a list such as 2-7,9 (pinned)")
     grammar_backend: str = _opt("outlines", "constrained decoding backend", ("outlines", "xgrammar", "none"))
     grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile before its request fails "
                                           "with a 400")
@@ -96,6 +100,17 @@ class ServerArgs:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.stream_interval <= 0:
             raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
+        if self.scheduler_cpus not in ("auto", "none"):
+            from radixlm.srt.managers.cpu_guard import cpu_list
+
+            try:
+                cpus = cpu_list(self.scheduler_cpus)
+            except ValueError:
+                raise ValueError(f"scheduler_cpus must be auto, none or a CPU list such as 2-7,9, got "
+                                 f"{self.scheduler_cpus!r}") from None
+            if not cpus <= os.sched_getaffinity(0):
+                raise ValueError(f"scheduler_cpus {self.scheduler_cpus!r} names CPUs this process may not use "
+                                 f"(allowed: {sorted(os.sched_getaffinity(0))})")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

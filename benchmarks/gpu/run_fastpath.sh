@@ -168,13 +168,18 @@ if stage facts; then  # what the host is: NUMA layout and balancing, huge pages,
     >> /tmp/r/serving/facts.txt 2>&1
 fi
 if stage tailab; then  # c32 tail per server setting, servers alternating (TAILAB_ROUNDS, C32_RUNS)
-  # TAILAB_MODES: label:VAR=value,VAR=value ... (default: the upload ring vs per-call pinning)
+  # TAILAB_MODES: label:VAR=value,--flag=value,... (environment and server flags; default: the upload ring vs
+  # per-call pinning)
   for r in $(seq ${TAILAB_ROUNDS:-2}); do
     for spec in ${TAILAB_MODES:-ring:RADIXLM_UPLOAD=ring pin:RADIXLM_UPLOAD=pin}; do
-      mode=${spec%%:*}; echo "== tailab $mode$r ($(left) s left)"
-      env ${spec#*:} C32_RUNS=${C32_RUNS:-2} TRACE=1 EXTRA="${SERVE_EXTRA:---attention-backend triton \
-        --enable-mixed-chunk --chunked-prefill-size 256}" WORKLOADS=c32 timeout $(left) \
+      mode=${spec%%:*}; envs=""; flags=""; echo "== tailab $mode$r ($(left) s left)"
+      for tok in $(echo "${spec#*:}" | tr , ' '); do
+        case $tok in --*) flags="$flags $tok";; *) envs="$envs $tok";; esac
+      done
+      env $envs C32_RUNS=${C32_RUNS:-2} TRACE=1 EXTRA="${SERVE_EXTRA:---attention-backend triton \
+        --enable-mixed-chunk --chunked-prefill-size 256}$flags" WORKLOADS=c32 timeout $(left) \
         bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/tailab_$mode$r 2>&1 | grep "host:\|random-c32"
+      grep -h "moved off\|pinned to" /tmp/r/serving/tailab_$mode$r/server.log | cut -c1-200
       pack serving
     done
   done

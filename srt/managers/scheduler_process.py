@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from radixlm.srt.errors import RadixLMError
+from radixlm.srt.managers.cpu_guard import CpuGuard, cpu_list
 from radixlm.srt.managers.io_struct import (AbortReq, BatchTokenOutput, ControlReq, ControlResp, GenerateReq,
                                             SchedulerIn, TokenOutput)
 from radixlm.srt.managers.req import Req
@@ -32,10 +33,9 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
                           parent_pid: int, ready) -> None:
     die_with_parent()
     configure_logging(args.log_level, "[scheduler] ")
-    cpus = os.environ.get("RADIXLM_SCHEDULER_CPUS")
-    if cpus:  # keep the loop off CPUs that something else (interrupts, other work) takes time from
-        os.sched_setaffinity(0, cpu_list(cpus))
-        logger.info("scheduler on CPUs %s", cpus)
+    if args.scheduler_cpus not in ("auto", "none"):
+        os.sched_setaffinity(0, cpu_list(args.scheduler_cpus))
+        logger.info("scheduler pinned to CPUs %s", args.scheduler_cpus)
     try:
         loaded = load_model(model_path, tokenizer_path=tokenizer_path, dtype=args.dtype, device=args.device,
                             context_length=args.context_length, served_model_name=args.served_model_name,
@@ -52,6 +52,9 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         sys.exit(1)
     loop = SchedulerLoop(scheduler, loaded, endpoints, parent_pid)
+    if args.scheduler_cpus == "auto" and runner.device.type == "cuda":
+        # the loop stalls the device whenever it loses its CPU (on CPU only the forward's own threads matter)
+        loop.cpu_guard = CpuGuard("scheduler")
     ready.send({"status": "ready", "context_length": runner.context_length, "max_total_tokens": runner.max_total_tokens,
                 "max_running_requests": runner.max_running_requests, "vocab_size": runner.vocab_size,
                 "eos_token_ids": loaded.config.eos_token_ids, "device": str(runner.device), "dtype": str(runner.dtype),
@@ -61,15 +64,6 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         sys.exit(1)
-
-
-def cpu_list(spec: str) -> set[int]:
-    """"0-3,8" -> {0, 1, 2, 3, 8} (the kernel's cpulist format)."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 class SchedulerLoop:
@@ -87,6 +81,7 @@ class SchedulerLoop:
         self.decoder = msgspec.msgpack.Decoder(SchedulerIn)
         self.encoder = msgspec.msgpack.Encoder()
         self.running = True
+        self.cpu_guard: CpuGuard | None = None
 
     def run(self) -> None:
         while self.running:
@@ -96,6 +91,8 @@ class SchedulerLoop:
             if not busy and not parent_alive(self.parent_pid):
                 logger.warning("launcher is gone; scheduler exits")
                 return
+            if self.cpu_guard is not None:
+                self.cpu_guard.tick()
             if self.scheduler.has_work():
                 outputs = self.scheduler.step()
                 if outputs:
