@@ -278,6 +278,10 @@ def main() -> None:
     main_cpus = {t["last_cpu"] for t in threads if t["cpu"] >= 0.3}  # where the busy threads ran (the scheduler)
     report["interrupts_on_busy_cpus"] = busiest_interrupts(irq0, irq1, main_cpus)
     report["softirqs_on_busy_cpus"] = busiest_interrupts(soft0, soft1, main_cpus)
+    if lost:  # and on the CPU that lost the most time
+        hottest = int(max(lost, key=lambda c: sum(lost[c]))[3:])
+        report["on_most_lost_cpu"] = {"cpu": hottest, "irqs": busiest_interrupts(irq0, irq1, {hottest}),
+                                      "softirqs": busiest_interrupts(soft0, soft1, {hottest})}
     out.write_text(json.dumps(report, indent=1))
     srv = ", ".join(f"{p['name']} {p['cpu']:.2f} cpu {p['involuntary_per_s']:.0f} inv/s" for p in report["server"]
                     if p["cpu"] >= 0.01)
