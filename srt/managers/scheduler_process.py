@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from radixlm.srt.errors import RadixLMError
-from radixlm.srt.managers.cpu_guard import CpuGuard, cpu_list
+from radixlm.srt.managers.cpu_guard import CpuGuard, cpu_list, read_lost_ticks
 from radixlm.srt.managers.io_struct import (AbortReq, BatchTokenOutput, ControlReq, ControlResp, GenerateReq,
                                             SchedulerIn, TokenOutput)
 from radixlm.srt.managers.req import Req
@@ -33,6 +33,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
                           parent_pid: int, ready) -> None:
     die_with_parent()
     configure_logging(args.log_level, "[scheduler] ")
+    started = read_lost_ticks()  # the CPU guard's first window: the whole start-up
     if args.scheduler_cpus not in ("auto", "none"):
         os.sched_setaffinity(0, cpu_list(args.scheduler_cpus))
         logger.info("scheduler pinned to CPUs %s", args.scheduler_cpus)
@@ -54,7 +55,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
     loop = SchedulerLoop(scheduler, loaded, endpoints, parent_pid)
     if args.scheduler_cpus == "auto" and runner.device.type == "cuda":
         # the loop stalls the device whenever it loses its CPU (on CPU only the forward's own threads matter)
-        loop.cpu_guard = CpuGuard("scheduler")
+        loop.cpu_guard = CpuGuard("scheduler", since=started)
     ready.send({"status": "ready", "context_length": runner.context_length, "max_total_tokens": runner.max_total_tokens,
                 "max_running_requests": runner.max_running_requests, "vocab_size": runner.vocab_size,
                 "eos_token_ids": loaded.config.eos_token_ids, "device": str(runner.device), "dtype": str(runner.dtype),

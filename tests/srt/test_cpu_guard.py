@@ -53,8 +53,8 @@ def test_guard_moves_the_loop_off_a_cpu_that_softirqs_take_time_from():
     g = host.guard()
     host.spend(0, user=70, soft=30)  # CPU 0 lost 30% of the second to softirqs
     host.spend(1, idle=100)
-    host.spend(2, idle=97, steal=3)  # 3% stolen: too busy to move to
-    host.spend(3, user=50, idle=49, soft=1)
+    host.spend(2, idle=98, steal=2)  # 2% stolen: too busy to move to
+    host.spend(3, user=50, idle=49, soft=1)  # 1%: quiet enough
     g.tick()
     assert host.calls == [(0, [1, 3])]
     assert g.moves == [(0, 0.3, [1, 3])]
@@ -64,7 +64,7 @@ def test_guard_stays_put_on_a_quiet_cpu_and_with_nowhere_quieter_to_go():
     host = FakeHost({0, 1}, here=1)
     g = host.guard()
     host.spend(0, soft=50, idle=50)
-    host.spend(1, user=96, soft=4)  # under the 5% that makes it move
+    host.spend(1, user=98, soft=2)  # under the 3% that makes it move
     g.tick()
     assert host.calls == []
     host.spend(1, user=90, soft=10)  # now hot, but CPU 0 is hotter still: no quiet CPU to go to
@@ -81,7 +81,19 @@ def test_guard_reads_at_most_once_per_interval():
     assert len(reads) == 1  # the first window starts at construction
     for _ in range(1000):
         g.tick()
-    assert len(reads) == 1  # the loop calls tick() every iteration; /proc/stat is read once a second
+    assert len(reads) == 1  # the loop calls tick() every iteration; /proc/stat is read every CHECK_S
+
+
+def test_guard_with_an_earlier_sample_checks_that_window_at_the_first_tick():
+    host = FakeHost({0, 1}, here=0)
+    since = lost_ticks(_stat(host.ticks))  # taken as the process started
+    host.spend(0, user=800, soft=200)  # model loading: CPU 0 lost 20%
+    host.spend(1, idle=1000)
+    g = CpuGuard("test", read_stat=lambda: _stat(host.ticks), where=lambda: 0,
+                 set_affinity=lambda pid, cpus: host.calls.append((pid, list(cpus))), since=since)
+    g.allowed = {0, 1}
+    g.tick()
+    assert host.calls == [(0, [1])] and g.moves == [(0, 0.2, [1])]
 
 
 def test_guard_moves_a_real_thread_and_only_that_thread():
@@ -143,7 +155,7 @@ def test_guard_leaves_a_cpu_that_loopback_softirqs_load():
         os.sched_setaffinity(0, {here})  # where the kernel happened to put the loop
         got["here"] = current_cpu()
         load_on.wait(30)
-        g._last, g._due = g._sample(), 0.0
+        g._last, g._due = g.sample(), 0.0
         time.sleep(1.0)  # a window with the load on
         g.tick()
         got["moves"], got["after"] = g.moves, os.sched_getaffinity(0)
