@@ -74,6 +74,7 @@ class CpuGuard:
         self._read, self._where, self._set = read_stat, where, set_affinity
         self.allowed = os.sched_getaffinity(0)  # what the operator gave the process (taskset, cgroup)
         self.moves: list[tuple[int, float, list[int]]] = []  # (from CPU, its lost share, CPUs moved to)
+        self.last_check: dict = {}  # the CPU it ran on at the last check, the share that CPU lost, hot CPUs
         self._last = since if since else self.sample()
         self._due = 0.0 if since else time.monotonic() + self.CHECK_S
 
@@ -93,6 +94,8 @@ class CpuGuard:
                   for c, (lost, total) in cur.items() if c in last and c in self.allowed}
         self._last = cur
         here = self._where()
+        self.last_check = {"cpu": here, "lost": round(shares.get(here, 0.0), 4) if here is not None else None,
+                           "hot_cpus": sorted(c for c, share in shares.items() if share > self.HOT)}
         if here is None or shares.get(here, 0.0) <= self.HOT:
             return
         window = (cur[here][1] - last[here][1]) / _TICKS_PER_S
@@ -103,6 +106,12 @@ class CpuGuard:
         self.moves.append((here, round(shares[here], 3), quiet))
         logger.info("%s moved off CPU %d (%.1f%% of the last %.0f s went to interrupts, softirqs or the "
                     "hypervisor) to CPUs %s", self.label, here, 100 * shares[here], window, _ranges(quiet))
+
+
+    def state(self) -> dict:
+        """For /get_server_info: where the loop is allowed and was last seen, and every move so far."""
+        return {"allowed_now": _ranges(sorted(os.sched_getaffinity(0))), **self.last_check,
+                "moves": [{"from": c, "lost": share, "to": _ranges(to)} for c, share, to in self.moves]}
 
 
 def _ranges(cpus: list[int]) -> str:

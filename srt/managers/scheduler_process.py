@@ -131,7 +131,10 @@ class SchedulerLoop:
         if msg.kind == "flush_cache":
             resp = ControlResp(msg.id, self.scheduler.flush_cache())
         elif msg.kind == "get_stats":
-            resp = ControlResp(msg.id, True, self.scheduler.get_stats())
+            stats = self.scheduler.get_stats()
+            if self.cpu_guard is not None:
+                stats["cpu_guard"] = self.cpu_guard.state()
+            resp = ControlResp(msg.id, True, stats)
         elif msg.kind == "shutdown":
             self.running = False
             resp = ControlResp(msg.id, True)

@@ -58,6 +58,9 @@ def test_guard_moves_the_loop_off_a_cpu_that_softirqs_take_time_from():
     g.tick()
     assert host.calls == [(0, [1, 3])]
     assert g.moves == [(0, 0.3, [1, 3])]
+    state = g.state()
+    assert state["cpu"] == 0 and state["lost"] == 0.3 and state["hot_cpus"] == [0]
+    assert state["moves"] == [{"from": 0, "lost": 0.3, "to": "1,3"}]
 
 
 def test_guard_stays_put_on_a_quiet_cpu_and_with_nowhere_quieter_to_go():

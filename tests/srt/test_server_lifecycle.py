@@ -127,9 +127,14 @@ def test_overloaded_answers_503(guarded):
 
 
 def test_sigterm_shuts_down_cleanly():
+    import os
+
     before = set(glob.glob("/tmp/radixlm-ipc-*"))
-    srv = ServerProcess("--max-total-tokens", "4096")
+    cpu = max(os.sched_getaffinity(0))
+    srv = ServerProcess("--max-total-tokens", "4096", "--scheduler-cpus", str(cpu))
     pids = httpx.get(f"{srv.url}/get_server_info").json()["process_ids"]
+    assert os.sched_getaffinity(pids["scheduler"]) == {cpu}  # pinned as asked; the others left alone
+    assert os.sched_getaffinity(pids["detokenizer"]) == os.sched_getaffinity(0)
     assert len(set(glob.glob("/tmp/radixlm-ipc-*")) - before) == 1
     start = time.monotonic()
     assert srv.stop(timeout=20) == 0
