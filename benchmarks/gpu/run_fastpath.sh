@@ -178,7 +178,7 @@ if stage tailab; then  # c32 tail per server setting, servers alternating (TAILA
       done
       env $envs C32_RUNS=${C32_RUNS:-2} TRACE=1 EXTRA="${SERVE_EXTRA:---attention-backend triton \
         --enable-mixed-chunk --chunked-prefill-size 256}$flags" WORKLOADS=c32 timeout $(left) \
-        bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/tailab_$mode$r 2>&1 | grep "host:\|random-c32"
+        bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/tailab_$mode$r 2>&1 | grep "random-c32\|CPU guard"
       grep -h "moved off\|pinned to" /tmp/r/serving/tailab_$mode$r/server.log | cut -c1-200
       pack serving
     done
