@@ -30,6 +30,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the client runs beside any server
+from radixlm.srt.managers.cpu_guard import CpuGuard  # noqa: E402
 from radixlm.srt.managers.step_trace import ProcessTrace  # noqa: E402
 from radixlm.srt.utils import freeze_startup_objects  # noqa: E402
 
@@ -170,6 +171,10 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=width),
                                      read_bufsize=1 << 20) as session:
         watcher = asyncio.create_task(events.watch_loop()) if events is not None else None
+        # The client timestamps every chunk: on a CPU that interrupts take time from (the lent GPU VMs' CPU 0
+        # or 1 lost 10-40%), its own stalls would read as the server's inter-token latency.
+        guard = CpuGuard("bench client")
+        guarding = asyncio.create_task(guard.run_in_loop())
 
         async def guarded(spec):
             async with sem:
@@ -186,6 +191,8 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
         duration = time.perf_counter() - start
         if watcher is not None:
             watcher.cancel()
+        guarding.cancel()
+        args.client_cpu = guard.state()
         return results, duration, [json.loads(line) for line in events.lines] if events is not None else []
 
 
@@ -256,7 +263,8 @@ def main() -> None:
     ok = [r for r in results if r.ok and not r.aborted]
     out_tokens = sum(r.output_tokens for r in ok)
     report = {
-        "label": args.label or args.base_url, "config": vars(args) | {"request_rate": str(args.request_rate)},
+        "label": args.label or args.base_url,
+        "config": {k: v for k, v in vars(args).items() if k != "client_cpu"} | {"request_rate": str(args.request_rate)},
         "completed": len(ok), "aborted": sum(r.aborted for r in results),
         "valid_json": sum(_valid_record(r.text) for r in ok) if args.dataset == "json" else None,
         "failed": sum(not r.ok and not r.aborted for r in results),
@@ -270,6 +278,7 @@ def main() -> None:
         "e2e_ms": summarize([r.e2e for r in ok]),
         "mean_output_tokens": out_tokens / max(len(ok), 1),
         "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
+        "client_cpu": args.client_cpu,  # where the client's loop ran and any move off an interrupt-heavy CPU
     }
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     if args.save_chunk_times:  # perf_counter is CLOCK_MONOTONIC: comparable with the server's step trace

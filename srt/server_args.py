@@ -71,9 +71,10 @@ class ServerArgs:
     force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "
                                         "by default, where the forward is asynchronous); for tests")
     enable_mixed_chunk: bool = _opt(False, "let running requests decode in the same batch as a prefill chunk")
-    scheduler_cpus: str = _opt("auto", "CPUs the scheduler loop runs on: auto (on CUDA, moves it off a CPU that "
-                               "loses over 5%% of its time to interrupts, softirqs or the hypervisor, checked "
-                               "every second), none (the kernel places it), or a list such as 2-7,9 (pinned)")
+    scheduler_cpus: str = _opt("auto", "CPUs the scheduler loop runs on: auto (on CUDA, it and the detokenizer's "
+                               "and HTTP server's loops move off a CPU that loses over 3%% of its time to "
+                               "interrupts, softirqs or the hypervisor, checked every 2 s), none (the kernel "
+                               "places them), or a list such as 2-7,9 (the scheduler pinned there)")
     grammar_backend: str = _opt("outlines", "constrained decoding backend", ("outlines", "xgrammar", "none"))
     grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile before its request fails "
                                           "with a 400")

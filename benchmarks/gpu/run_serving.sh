@@ -66,7 +66,7 @@ s = json.load(open(sys.argv[1]))
 st = s["scheduler"]
 print("kv_free", st.get("kv_free"), "of", st.get("kv_total"), "OK" if st.get("kv_free") == st.get("kv_total") else "LEAK")
 if "cpu_guard" in st:
-    print("scheduler CPU guard:", st["cpu_guard"])
+    print("scheduler CPU guard:", st["cpu_guard"], "http server CPU guard:", s.get("http_cpu_guard"))
 PY
 kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
 if [ -n "$CT" ]; then

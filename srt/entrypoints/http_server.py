@@ -171,7 +171,8 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         return {"server_args": asdict(args) | {"api_key": "***" if args.api_key else None},
                 "scheduler": stats, "max_total_tokens": info["max_total_tokens"],
                 "requests_in_flight": len(tm.states), "version": info.get("version"),
-                "process_ids": info.get("process_ids")}
+                "process_ids": info.get("process_ids"),
+                "http_cpu_guard": tm.cpu_guard.state() if tm.cpu_guard is not None else None}
 
     @app.post("/flush_cache")
     async def flush_cache():

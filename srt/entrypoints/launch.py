@@ -38,6 +38,7 @@ class ServerProcesses:
         self.stopping = False
 
     def start(self, model_path: str, tokenizer_path: str) -> dict:
+        from radixlm.srt.managers.cpu_guard import guard_wanted
         from radixlm.srt.managers.detokenizer_process import run_detokenizer_process
         from radixlm.srt.managers.scheduler_process import run_scheduler_process
 
@@ -46,7 +47,8 @@ class ServerProcesses:
         pipes = {}
         targets = {
             "scheduler": (run_scheduler_process, (self.args, model_path, tokenizer_path, self.endpoints, pid)),
-            "detokenizer": (run_detokenizer_process, (self.args.log_level, tokenizer_path, self.endpoints, pid)),
+            "detokenizer": (run_detokenizer_process, (self.args.log_level, tokenizer_path, self.endpoints, pid,
+                                                      guard_wanted(self.args.scheduler_cpus, self.args.device))),
         }
         for name, (fn, fn_args) in targets.items():
             recv, send = ctx.Pipe(duplex=False)

@@ -114,6 +114,27 @@ class CpuGuard:
                 "moves": [{"from": c, "lost": share, "to": _ranges(to)} for c, share, to in self.moves]}
 
 
+    async def run_in_loop(self) -> None:
+        """An asyncio task that ticks every CHECK_S (an event loop has no step to tick from)."""
+        import asyncio
+
+        while True:
+            await asyncio.sleep(self.CHECK_S)
+            self.tick()
+
+
+def guard_wanted(scheduler_cpus: str, device: str) -> bool:
+    """Whether the server's loops guard their CPUs: `--scheduler-cpus auto` on a CUDA device (on a CPU device
+    the forward's own threads use every core and placement is theirs)."""
+    if scheduler_cpus != "auto":
+        return False
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
 def _ranges(cpus: list[int]) -> str:
     parts, start = [], None
     for i, c in enumerate(cpus):

@@ -12,6 +12,7 @@ import zmq
 
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput
+from radixlm.srt.managers.cpu_guard import CpuGuard, read_lost_ticks
 from radixlm.srt.managers.step_trace import ProcessTrace
 from radixlm.srt.model_loader.hf_loader import load_tokenizer
 from radixlm.srt.utils import configure_logging, die_with_parent, freeze_startup_objects, parent_alive
@@ -19,9 +20,11 @@ from radixlm.srt.utils import configure_logging, die_with_parent, freeze_startup
 logger = logging.getLogger(__name__)
 
 
-def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict, parent_pid: int, ready) -> None:
+def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict, parent_pid: int,
+                            cpu_guard: bool, ready) -> None:
     die_with_parent()
     configure_logging(log_level, "[detokenizer] ")
+    started = read_lost_ticks()
     try:
         detok = IncrementalDetokenizer(load_tokenizer(tokenizer_path))
         ctx = zmq.Context()
@@ -39,8 +42,12 @@ def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict
     if trace is not None:  # the launcher stops children with SIGTERM: exit through atexit, which writes it out
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     freeze_startup_objects()
+    # every token passes through this loop too: keep it off CPUs that interrupts take time from (CpuGuard)
+    guard = CpuGuard("detokenizer", since=started) if cpu_guard else None
     try:
         while True:
+            if guard is not None:
+                guard.tick()
             if not recv.poll(500):
                 if trace is not None:
                     trace.flush()  # idle: servers are killed, not exited, so write out now

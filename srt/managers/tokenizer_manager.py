@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
+from radixlm.srt.managers.cpu_guard import CpuGuard
 from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, TokenizerIn,
                                             TokenOutput)
 from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand, tokenize
@@ -111,6 +112,7 @@ class TokenizerManager:
         self._control_waiters: dict[int, asyncio.Future] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self.trace = ProcessTrace.from_env("tokenizer")
+        self.cpu_guard: CpuGuard | None = None
         # Long prompts are tokenized off the event loop (the Rust tokenizer lets go of the GIL): a 512-token
         # prompt took up to 56 ms on an H100 host, and every other stream's next chunk waited behind it. Short
         # prompts and token strings stay on the loop thread, so two calls can use the tokenizer at once; that
@@ -127,6 +129,10 @@ class TokenizerManager:
         self._recv_task = asyncio.create_task(self._recv_loop())
         if self.trace is not None:
             self._lag_task = asyncio.create_task(self.trace.watch_loop())
+        if self.args.scheduler_cpus == "auto" and self.info.get("device", "cpu").startswith("cuda"):
+            # every token reaches its client through this loop: keep it off CPUs interrupts take time from
+            self.cpu_guard = CpuGuard("http server")
+            self._guard_task = asyncio.create_task(self.cpu_guard.run_in_loop())
 
     # --- submission ------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:

@@ -181,3 +181,35 @@ def test_guard_leaves_a_cpu_that_loopback_softirqs_load():
         assert moved[0] == here and moved[1] > CpuGuard.HOT and here not in got["after"]
     else:  # one CPU: nowhere to go
         assert got["moves"] == []
+
+
+def test_guard_is_wanted_on_cuda_with_auto_only():
+    import torch
+
+    from radixlm.srt.managers.cpu_guard import guard_wanted
+
+    assert guard_wanted("auto", "cuda") and guard_wanted("auto", "cuda:1")
+    assert not guard_wanted("auto", "cpu") and not guard_wanted("none", "cuda") and not guard_wanted("3", "cuda")
+    assert guard_wanted("auto", "auto") == torch.cuda.is_available()
+
+
+def test_guard_ticks_from_an_event_loop():
+    """An asyncio loop (the HTTP server's, the benchmark client's) runs the guard as a task."""
+    import asyncio
+
+    host = FakeHost({0, 1}, here=0)
+    g = host.guard()
+    g.CHECK_S = 0.01
+    host.spend(0, user=50, soft=50)
+    host.spend(1, idle=100)
+
+    async def main():
+        task = asyncio.create_task(g.run_in_loop())
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if g.moves:
+                break
+        task.cancel()
+
+    asyncio.run(main())
+    assert g.moves == [(0, 0.5, [1])]

@@ -47,6 +47,9 @@ def test_output_path_trace_lines_up_with_steps(tmp_path):
     report = json.loads(client.read_text())
     assert report["completed"] == 4 and len(report["chunk_times"]) == 4
     assert isinstance(report["client_events"], list)
+    # the client's CPU guard reports where its loop may run (every CPU unless it moved) and its moves
+    allowed = report["client_cpu"]["allowed_now"]
+    assert allowed and isinstance(report["client_cpu"]["moves"], list)
     # every batch went scheduler -> detokenizer -> tokenizer manager, in that order on the shared clock
     assert det and tok
     for e in det:
