@@ -174,7 +174,8 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
         # The client timestamps every chunk: on a CPU that interrupts take time from (the lent GPU VMs' CPU 0
         # or 1 lost 10-40%), its own stalls would read as the server's inter-token latency.
         guard = CpuGuard("bench client")
-        guarding = asyncio.create_task(guard.run_in_loop())
+        if not args.no_cpu_guard:
+            guarding = asyncio.create_task(guard.run_in_loop())
 
         async def guarded(spec):
             async with sem:
@@ -191,7 +192,8 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
         duration = time.perf_counter() - start
         if watcher is not None:
             watcher.cancel()
-        guarding.cancel()
+        if not args.no_cpu_guard:
+            guarding.cancel()
         args.client_cpu = guard.state()
         return results, duration, [json.loads(line) for line in events.lines] if events is not None else []
 
@@ -247,6 +249,9 @@ def main() -> None:
     ap.add_argument("--abort-fraction", type=float, default=0.0,
                     help="share of requests whose client hangs up mid-stream (they count in no latency figure)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-cpu-guard", action="store_true",
+                    help="leave the client's loop wherever the kernel puts it (by default it moves off a CPU that "
+                    "loses over 3%% of its time to interrupts, softirqs or the hypervisor)")
     ap.add_argument("--save-chunk-times", action="store_true",
                     help="keep each request's chunk arrival times (perf_counter) in the JSON, to line them up with "
                          "a server step trace (RADIXLM_STEP_TRACE)")

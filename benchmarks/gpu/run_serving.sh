@@ -14,6 +14,7 @@ fi
 # TRACE=1: the server records its steps and the client its chunk times; itl_tail.py lines them up at the end.
 CT=""
 if [ "${TRACE:-0}" = 1 ]; then export RADIXLM_STEP_TRACE=$OUT/steps.jsonl; CT=--save-chunk-times; fi
+NG=""; [ "${CLIENT_GUARD:-1}" = 0 ] && NG=--no-cpu-guard  # CLIENT_GUARD=0: the clients where the kernel puts them
 python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
     --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" ${EXTRA:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -35,20 +36,20 @@ for n in $(seq ${C32_RUNS:-1}); do
     LOAD=""; [ "${SOFTIRQ_LOAD:-0}" = 1 ] && { (sleep 2; exec python benchmarks/gpu/softirq_load.py --pid $SERVER --seconds 120) & LOAD=$!; }
     python benchmarks/bench_serving.py --base-url $URL --label random-c32$sfx --dataset random --num-prompts 128 \
         --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32$sfx.json" \
-        --seed $((n - 1)) $CT > /dev/null  # new prompts each run: no prefix cache hits from the last
+        --seed $((n - 1)) $CT $NG > /dev/null  # new prompts each run: no prefix cache hits from the last
     [ -n "$LOAD" ] && { kill -INT $LOAD 2> /dev/null; wait $LOAD; }
     kill -INT $PROBE; wait $PROBE
 done
 want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
 want c128 && python benchmarks/bench_serving.py --base-url $URL --label random-c128 --dataset random --num-prompts 512 \
-    --input-len 512 --output-len 128 --max-concurrency 128 --eos-token-id 128001 --out "$OUT/random_c128.json" $CT > /dev/null
+    --input-len 512 --output-len 128 --max-concurrency 128 --eos-token-id 128001 --out "$OUT/random_c128.json" $CT $NG > /dev/null
 want prefix && python benchmarks/bench_serving.py --base-url $URL --label shared-prefix --dataset shared-prefix --groups 8 \
     --num-prompts 128 --system-len 1500 --input-len 40 --output-len 64 --max-concurrency 64 --eos-token-id 128001 \
-    --out "$OUT/shared_prefix.json" $CT > /dev/null
+    --out "$OUT/shared_prefix.json" $CT $NG > /dev/null
 # JSON schema (chat + response_format, as run_peers.sh runs it): EXTRA picks the grammar backend / jump-forward.
 want json && python benchmarks/bench_serving.py --base-url $URL --label json --dataset json --num-prompts 256 \
-    --input-len 64 --output-len 256 --max-concurrency 64 --out "$OUT/json.json" $CT > /dev/null
+    --input-len 64 --output-len 256 --max-concurrency 64 --out "$OUT/json.json" $CT $NG > /dev/null
 # Clients hanging up mid-stream (a quarter of them), on both workloads: their KV must come back too.
 want aborts && python benchmarks/bench_serving.py --base-url $URL --label aborts-random --dataset random --num-prompts 128 \
     --input-len 512 --output-len 128 --max-concurrency 64 --abort-fraction 0.25 --eos-token-id 128001 \
