@@ -33,7 +33,10 @@ for n in $(seq ${C32_RUNS:-1}); do
     sfx=$([ $n = 1 ] || echo _$n)
     python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32$sfx.json" & PROBE=$!
     # SOFTIRQ_LOAD=1: loopback traffic on the scheduler loop's CPU, started once the run is under way
-    LOAD=""; [ "${SOFTIRQ_LOAD:-0}" = 1 ] && { (sleep 2; exec python benchmarks/gpu/softirq_load.py --pid $SERVER --seconds 120) & LOAD=$!; }
+    LOAD=""
+    if [ "${SOFTIRQ_LOAD:-0}" = 1 ]; then
+        (sleep 2; exec python benchmarks/gpu/softirq_load.py --pid $SERVER --seconds 120) & LOAD=$!
+    fi
     python benchmarks/bench_serving.py --base-url $URL --label random-c32$sfx --dataset random --num-prompts 128 \
         --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32$sfx.json" \
         --seed $((n - 1)) $CT $NG > /dev/null  # new prompts each run: no prefix cache hits from the last
