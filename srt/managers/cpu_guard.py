@@ -107,12 +107,10 @@ class CpuGuard:
         logger.info("%s moved off CPU %d (%.1f%% of the last %.0f s went to interrupts, softirqs or the "
                     "hypervisor) to CPUs %s", self.label, here, 100 * shares[here], window, _ranges(quiet))
 
-
     def state(self) -> dict:
         """For /get_server_info: where the loop is allowed and was last seen, and every move so far."""
         return {"allowed_now": _ranges(sorted(os.sched_getaffinity(0))), **self.last_check,
                 "moves": [{"from": c, "lost": share, "to": _ranges(to)} for c, share, to in self.moves]}
-
 
     async def run_in_loop(self) -> None:
         """An asyncio task that ticks every CHECK_S (an event loop has no step to tick from)."""
