@@ -1,13 +1,13 @@
 """Keeps a latency-critical loop off CPUs that something else takes time from.
 
-On the lent H100 VMs, CPU 0 (sometimes CPU 1 or 2 as well) spent 11-34% of its time in softirqs. The kernel
-does not count that time as load, so it readily places a busy thread there, and then takes the CPU from the
-thread several milliseconds at a time. A scheduler loop stuck there stalled decode steps by 5-15 ms, which
-tripled the p99 inter-token latency at concurrency 32. `CpuGuard` reads each CPU's interrupt, softirq and steal
-time from /proc/stat every CHECK_S and, when the CPU the calling thread runs on lost more than HOT of the last
-window, restricts the thread to the CPUs that lost less than QUIET (from those it was allowed at the start).
-The thresholds are low because the loss comes in bursts: a CPU losing 5% on average (50 ms a second, 10 ms at a
-time) already put the c32 p99 at 2.4x the p50; quiet CPUs lose 0-1%.
+On the lent H100 VMs one or two CPUs (0, 1, sometimes 2) lose 8-40% of their time to softirqs. The kernel does
+not count that time as load, so a busy loop may well sit there, and then it loses the CPU several milliseconds at
+a time. `CpuGuard` reads each CPU's interrupt, softirq and steal time from /proc/stat every CHECK_S. When the CPU
+the calling thread runs on lost more than HOT of the last window, it restricts the thread to the CPUs that lost
+less than QUIET (out of those it was allowed at the start). The thresholds are low because the loss comes in
+bursts: a scheduler on a CPU losing about 10% on average still stalled 5-10 ms at a time, while quiet CPUs lose
+0-1%. This removes one cause of host stalls. The c32 latency tail on some of those machines has another cause
+(results README, session 11).
 """
 from __future__ import annotations
 
