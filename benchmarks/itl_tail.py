@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import os
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -50,7 +51,7 @@ def load_steps(path: Path) -> list[dict]:
     return steps
 
 
-def step_summary(steps: list[dict]) -> dict:
+def step_summary(steps: list[dict], maps: str | None = None) -> dict:
     out = {}
     for mode in sorted({s.get("mode", "?") for s in steps}):
         sel = [s for s in steps if s.get("mode") == mode]
@@ -74,7 +75,7 @@ def step_summary(steps: list[dict]) -> dict:
         out["phase_stall_stacks"] = dict(caught.most_common(10))
     stalls = [st for s in steps for st in s.get("stalls", [])]
     if stalls:
-        out["phase_stalls"] = stall_summary(stalls)
+        out["phase_stalls"] = stall_summary(stalls, maps)
     return out
 
 
@@ -83,7 +84,18 @@ _SYSCALLS = {"0": "read", "1": "write", "7": "poll", "9": "mmap", "10": "mprotec
              "232": "epoll_wait", "281": "epoll_pwait"}  # x86-64
 
 
-def stall_summary(stalls: list[dict]) -> dict:
+def mapping_of(addr: int, maps: str) -> str:
+    """Which of a process's mappings (from its /proc/PID/maps text) holds `addr`: a library's name, [heap],
+    or anon."""
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= addr < hi:
+            return os.path.basename(fields[5]) if len(fields) > 5 else "anon"
+    return "unmapped"
+
+
+def stall_summary(stalls: list[dict], maps: str | None = None) -> dict:
     """Where the scheduler thread's caught stalls went, as the kernel saw the thread: on a CPU (work, ours or
     the kernel's for us), runnable but off one (contention), or neither (waiting on a lock, the driver)."""
     timed = [st for st in stalls if "on_cpu_ms" in st]
@@ -92,7 +104,21 @@ def stall_summary(stalls: list[dict]) -> dict:
     runq = sum(st["runq_ms"] for st in timed)
     where = Counter(f"{st.get('state', '?')} {_SYSCALLS.get(st.get('syscall', '?'), st.get('syscall', '?'))} "
                     f"{st.get('wchan', '-')}" for st in stalls)
-    return {"caught": len(stalls), "state_syscall_wchan": dict(where.most_common(8)),
+    out = {}
+    # the lock a stalled thread sleeps on, by the mapping its address is in (a driver's, the interpreter's)
+    futexes = Counter(mapping_of(int(st["syscall_args"][0], 16), maps) if maps else st["syscall_args"][0]
+                      for st in stalls if st.get("syscall") == "202" and st.get("syscall_args"))
+    if futexes:
+        out["futex_in"] = dict(futexes.most_common(6))
+    # the process's other threads on a CPU at that moment: a lock's holder would be one
+    running = Counter(f"{name} {call}" for st in stalls for _, name, state, call, _ in st.get("threads", [])
+                      if state == "R")
+    if running:
+        out["others_running"] = dict(running.most_common(6))
+    kstacks = Counter(" < ".join(st["kstack"][:3]) for st in stalls if st.get("kstack"))
+    if kstacks:
+        out["kernel_stacks"] = dict(kstacks.most_common(6))
+    return {**out, "caught": len(stalls), "state_syscall_wchan": dict(where.most_common(8)),
             "after_caught_ms": {"window": round(window, 1), "on_cpu": round(on_cpu, 1), "runq": round(runq, 1),
                                 "off_cpu": round(window - on_cpu - runq, 1)},
             "moved_cpu": sum(st.get("cpu") != st.get("cpu_after") for st in timed)}
@@ -209,7 +235,9 @@ def main() -> None:
     steps = [s for s in load_steps(args.trace) if t0 <= s["t"] <= t1]  # the client's run only
     if not steps:
         raise SystemExit("no server steps inside the client's run: are both on one machine and one trace file?")
-    res = {"label": report.get("label"), "steps": step_summary(steps), **classify(steps, times)}
+    maps_file = args.trace.with_suffix(".maps")  # the scheduler's mappings, when its stalls recorded addresses
+    maps = maps_file.read_text() if maps_file.exists() else None
+    res = {"label": report.get("label"), "steps": step_summary(steps, maps), **classify(steps, times)}
     events = load_events(args.trace, report)
     res["output_path"] = output_path(events, t0, t1)
     res["delivery_blame"] = blame_delivery(res.pop("delivery_gaps"), events)

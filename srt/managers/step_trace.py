@@ -63,17 +63,36 @@ def _stack(frame) -> list[str]:
     return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
 
 
-def _thread_state(tid: int) -> dict:
-    """What the kernel says a thread of this process is doing now: state, CPU, system call, wait channel."""
+def _thread_state(tid: int, others: bool = False) -> dict:
+    """What the kernel says a thread of this process is doing now: state, CPU, system call and its first two
+    arguments (a futex's address, an ioctl's request), wait channel, kernel stack where readable; with
+    `others`, every other thread's state, system call and CPU too (a lock's holder may be among them)."""
     base, out = f"/proc/self/task/{tid}", {}
     try:
         stat = Path(f"{base}/stat").read_text()
         rest = stat[stat.rindex(")") + 2:].split()
         out["state"], out["cpu"] = rest[0], int(rest[36])  # stat's fields 3 and 39
-        out["syscall"] = Path(f"{base}/syscall").read_text().split()[0]  # a number, or "running"
+        call = Path(f"{base}/syscall").read_text().split()
+        out["syscall"] = call[0]  # a number, or "running"
+        if len(call) > 2:
+            out["syscall_args"] = call[1:3]
         out["wchan"] = Path(f"{base}/wchan").read_text().strip() or "-"
+        out["kstack"] = [line.split()[-1] for line in Path(f"{base}/stack").read_text().splitlines()[:4]]
     except (OSError, IndexError, ValueError):
         pass
+    if others:
+        out["threads"] = []
+        for other in os.listdir("/proc/self/task"):
+            if other == str(tid):
+                continue
+            try:
+                stat = Path(f"/proc/self/task/{other}/stat").read_text()
+                rest = stat[stat.rindex(")") + 2:].split()
+                call = Path(f"/proc/self/task/{other}/syscall").read_text().split()[0]
+            except (OSError, IndexError, ValueError):
+                continue
+            out["threads"].append([int(other), stat[stat.index("(") + 1:stat.rindex(")")], rest[0], call,
+                                   int(rest[36])])
     return out
 
 
@@ -106,6 +125,7 @@ class StepTrace(_JsonlTrace):
         self._phase: tuple[str, float] | None = None
         self._stacks: list[tuple[str, list[str]]] = []
         self._stalls: list[dict] = []
+        self._addresses = False  # a stall recorded a system call's arguments: write the mappings out too
         self._late = 0.0
         self._pending: tuple[dict, tuple[int, int] | None, float] | None = None  # a stall whose phase runs on
         import threading
@@ -137,6 +157,9 @@ class StepTrace(_JsonlTrace):
         stall["cpu_after"] = _thread_state(self._tid).get("cpu")
 
     def _watch(self, thread: int) -> None:
+        import threading
+
+        self.watcher_tid = threading.get_native_id()
         seen = None
         while True:
             t = time.perf_counter()
@@ -148,7 +171,7 @@ class StepTrace(_JsonlTrace):
             if cur is None or cur is seen or (time.perf_counter() - cur[1]) * 1e3 < self.PHASE_STACK_MS[cur[0]]:
                 continue
             seen = cur  # one stack per phase, taken while it lasts
-            state, before, t = _thread_state(self._tid), _schedstat(self._tid), time.perf_counter()
+            state, before, t = _thread_state(self._tid, others=True), _schedstat(self._tid), time.perf_counter()
             frame = sys._current_frames().get(thread)
             if frame is not None:
                 stack = _stack(frame)
@@ -157,6 +180,14 @@ class StepTrace(_JsonlTrace):
                     stall = {"phase": cur[0], "at_ms": round((t - cur[1]) * 1e3, 2), **state}
                     self._stalls.append(stall)
                     self._pending = (stall, before, t)
+
+    def flush(self) -> None:
+        super().flush()
+        if self._addresses and self.path is not None:
+            # A caught stall's futex address means something only against this process's mappings (which
+            # library's lock): keep a copy beside the trace
+            self.path.with_suffix(".maps").write_text(Path("/proc/self/maps").read_text())
+            self._addresses = False
 
     def record(self, t0: float, info: dict, n_outputs: int) -> None:
         self.phase(None)
@@ -168,6 +199,7 @@ class StepTrace(_JsonlTrace):
         stalls, self._stalls = self._stalls, []
         if stalls:
             rec["stalls"] = stalls
+            self._addresses = self._addresses or any("syscall_args" in st for st in stalls)
         late, self._late = self._late, 0.0
         if late > 0.002:
             rec["watch_late_ms"] = round(late * 1e3, 2)

@@ -129,6 +129,11 @@ def test_long_scheduler_phase_carries_its_stack():
     assert stall["phase"] == "sample" and stall["at_ms"] >= StepTrace.PHASE_STACK_MS["sample"]
     assert stall["state"] in ("S", "R") and stall["syscall"] and stall["wchan"]
     assert stall["window_ms"] >= 40 and stall["on_cpu_ms"] < stall["window_ms"] / 2 and stall["runq_ms"] >= 0
+    # with the other threads of the process as they were then: the watcher itself (on a CPU, reading /proc)
+    watcher = [t for t in stall["threads"] if t[0] == trace.watcher_tid]
+    assert watcher and watcher[0][2] == "R" and watcher[0][3] in ("running", "0")
+    if stall["syscall"] != "running":  # asleep in a system call: its arguments are there (a futex: the address)
+        assert len(stall["syscall_args"]) == 2 and stall["syscall_args"][0].startswith("0x")
 
 
 def test_stall_summary_splits_caught_time_by_where_the_thread_was():
@@ -143,3 +148,37 @@ def test_stall_summary_splits_caught_time_by_where_the_thread_was():
     assert got["caught"] == 3 and got["moved_cpu"] == 1
     assert got["after_caught_ms"] == {"window": 16.0, "on_cpu": 8.0, "runq": 1.0, "off_cpu": 7.0}
     assert got["state_syscall_wchan"] == {"S ioctl x": 1, "R running -": 1, "S futex futex_wait_queue": 1}
+
+
+def test_stall_summary_names_the_lock_and_who_else_ran():
+    from benchmarks.itl_tail import mapping_of, stall_summary
+
+    maps = ("7f0000000000-7f0000100000 rw-p 00000000 00:00 0 \n"
+            "7f0000100000-7f0000200000 rw-p 00100000 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
+            "55aa00000000-55aa00021000 rw-p 00000000 00:00 0                          [heap]\n")
+    assert mapping_of(0x7f0000100010, maps) == "libcuda.so.1" and mapping_of(0x7f0000000008, maps) == "anon"
+    assert mapping_of(0x55aa00000100, maps) == "[heap]" and mapping_of(0x10, maps) == "unmapped"
+    stalls = [{"state": "S", "syscall": "202", "syscall_args": ["0x7f0000100010", "0x80"],
+               "threads": [[2, "cuda-EvtHandlr", "R", "running", 3], [3, "ZMQbg/IO/0", "S", "232", 5]]},
+              {"state": "S", "syscall": "202", "syscall_args": ["0x7f0000100010", "0x80"], "threads": []},
+              {"state": "R", "syscall": "running", "kstack": ["a+0x1/0x2", "b+0x3/0x4"]}]
+    got = stall_summary(stalls, maps)
+    assert got["futex_in"] == {"libcuda.so.1": 2}
+    assert got["others_running"] == {"cuda-EvtHandlr running": 1}
+    assert got["kernel_stacks"] == {"a+0x1/0x2 < b+0x3/0x4": 1}
+    assert stall_summary(stalls)["futex_in"] == {"0x7f0000100010": 2}  # no mappings: the raw address
+
+
+def test_a_stall_with_an_address_leaves_the_mappings_beside_the_trace(tmp_path):
+    from radixlm.srt.managers.step_trace import StepTrace
+
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    trace.record(time.perf_counter(), {"mode": "decode"}, 0)
+    trace.flush()
+    assert not (tmp_path / "steps.maps").exists()  # no stall, no copy
+    trace._stalls.append({"phase": "sample", "syscall": "202", "syscall_args": ["0x7f00", "0x80"]})
+    trace.record(time.perf_counter(), {"mode": "decode"}, 1)
+    trace.flush()
+    maps = (tmp_path / "steps.maps").read_text()
+    assert "python" in maps.lower() or "libpython" in maps  # this process's own mappings
+    assert json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[1])["stalls"][0]["syscall_args"]
