@@ -61,11 +61,15 @@ class Req:
     def pending_count(self) -> int:
         return 0 if self.pending_ref is None else 1
 
+    def produced(self) -> int:
+        """Tokens generated so far, counting the one still on the device."""
+        return len(self.output_ids) + self.pending_count()
+
     def decodable(self, context_length: int) -> bool:
         """Worth another decode step: not finished, and not certain to finish with the token still pending."""
         if self.finished:
             return False
-        produced = len(self.output_ids) + self.pending_count()
+        produced = self.produced()
         return produced < self.max_new_tokens and len(self.input_ids) + produced < context_length
 
     def wants_input_logprobs(self) -> bool:

@@ -30,6 +30,7 @@ class ScheduledBatch:
     lp_next: list[int] = field(default_factory=list)  # the token each prompt-logprob row scores
     logits: torch.Tensor | None = None
     pending: object = None  # the runner's PendingSample
+    future_base: int | None = None  # overlap: where the sampled ids went among the runner's futures
 
     @property
     def num_tokens(self) -> int:
@@ -127,16 +128,16 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
     if not info.all_greedy:  # the common all-greedy batch needs none of these on the device
         top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
         floats = f([[1.0 if g else p.temperature, p.top_p, p.min_p] for p, g in zip(ps, greedy)])
-        ints = f([[k, r.seed, len(r.output_ids), g] for k, r, g in zip(top_ks, reqs, greedy)], torch.int64)
+        ints = f([[k, r.seed, r.produced(), g] for k, r, g in zip(top_ks, reqs, greedy)], torch.int64)
         info.temperatures, info.top_ps, info.min_ps = floats[:, 0:1], floats[:, 1], floats[:, 2]
         info.top_ks, info.seeds, info.steps, info.greedy = ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3].bool()
         info.need_top_k_p = any(p.top_p < 1.0 or k < vocab_size for p, k, g in zip(ps, top_ks, greedy) if not g)
         info.need_min_p = any(p.min_p > 0 for p, g in zip(ps, greedy) if not g)
-    if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 for p in ps):
+    if any(p.has_penalties() for p in ps):
         info.penalties = _penalties(reqs, vocab_size, device)
     # Sparse entries go to the device and are scattered there: a dense [B, V] host tensor per step would
     # cost a memset and a transfer of B * V floats.
-    banned = [(i, t) for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling_params.min_new_tokens
+    banned = [(i, t) for i, r in enumerate(reqs) if r.produced() < r.sampling_params.min_new_tokens
               for t in r.stop_token_ids if t < vocab_size]
     if banned:
         rows, cols = zip(*banned)

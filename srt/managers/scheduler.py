@@ -10,8 +10,9 @@ launch (forward, then sampling and the one device->host copy; nothing waits for 
 the sampled tokens back, stream them, finish requests). Without overlap they run in that order. With overlap
 scheduling the host schedules and launches step n+1 before it processes step n, so the device never waits for
 the host: step n+1 reads step n's tokens straight from the device (futures), a request that finished at step n
-rides in step n+1 and its extra token is dropped. Sampling for step n+1 is launched after step n is processed,
-while the forward runs, so penalties and (later) grammar masks see every token.
+rides in step n+1 and its extra token is dropped. Sampling for step n+1 is launched with its forward, so the
+device has the whole step queued while the host processes step n; where penalties or grammar masks need step n's
+tokens, it is launched after step n is processed, while the forward runs.
 """
 from __future__ import annotations
 
@@ -144,50 +145,61 @@ class Scheduler(SchedulerOutputMixin):
     def step(self) -> list[TokenOutput]:
         trace = self.step_trace
         phase = trace.phase if trace is not None else _no_phase
-        t0 = time.perf_counter()
-        phase("schedule")
+        marks: list[tuple[str, float]] = []  # (phase, start): host time by phase for the step's record
+
+        def enter(name: str) -> None:
+            phase(name)
+            marks.append((name, time.perf_counter()))
+
+        enter("schedule")
         if self.grammar.queue:
             self._poll_grammars()
         outputs, self._outputs = self._outputs, []
         batch = self._schedule()
-        t1 = time.perf_counter()
-        phase("forward")
+        enter("forward")
         if batch is not None:
             try:
                 self._launch_forward(batch)
             except BatchFailed:
                 batch = None
-        t2 = time.perf_counter()
         ran = batch is not None or self.inflight is not None
         if self.overlap:
-            phase("process")
+            # Sampling that reads nothing from the step in flight is launched with the forward, so the device
+            # has the whole step queued while the host processes the previous one; grammar masks and penalties
+            # need that step's tokens, so such a batch samples after it is processed.
+            early = batch is not None and self._samples_early(batch)
+            launched = False
+            if early:
+                enter("sample")
+                launched = self._launch_sample(batch)
+            enter("process")
             if self.inflight is not None:
                 outputs += self._process(self.inflight)
                 self.inflight = None
-            t3 = time.perf_counter()
-            phase("sample")
-            if batch is not None and self._launch_sample(batch):
+            if batch is not None and not early:
+                enter("sample")
+                launched = self._launch_sample(batch)
+            if launched:
                 self.inflight = batch
         else:
-            phase("sample")
+            enter("sample")
             sampled = batch is not None and self._launch_sample(batch)
-            t3 = time.perf_counter()
-            phase("process")
+            enter("process")
             if sampled:
                 outputs += self._process(batch)
         outputs += self._outputs  # requests failed by a batch that ran out of memory
         self._outputs = []
-        t4 = time.perf_counter()
-        self.stats.busy_seconds += t4 - t0
+        end = time.perf_counter()
+        t0 = marks[0][1]
+        self.stats.busy_seconds += end - t0
         if not ran:
             phase(None)
             return outputs
-        # Host time by phase (ms): schedule, forward launch, then process and sample launch in the order they
-        # ran. With overlap, `process` includes waiting for the previous step's tokens from the device.
+        # Host time by phase (ms), in the order the phases ran. With overlap, `process` includes waiting for
+        # the previous step's tokens from the device.
         info = self.last_step if batch is not None else {"mode": "drain"}
-        info["phases_ms"] = {"schedule": (t1 - t0) * 1e3, "forward": (t2 - t1) * 1e3,
-                             "process" if self.overlap else "sample": (t3 - t2) * 1e3,
-                             "sample" if self.overlap else "process": (t4 - t3) * 1e3}
+        info["phases_ms"] = {name: (stop - start) * 1e3
+                             for (name, start), stop in zip(marks, [m[1] for m in marks[1:]] + [end])}
         if trace is not None:
             trace.record(t0, info, len(outputs))
         return outputs
@@ -342,11 +354,15 @@ class Scheduler(SchedulerOutputMixin):
         except BatchFailed:
             return False
         if self.overlap and n:
-            base = self.runner.store_futures(batch.pending.ids)
+            batch.future_base = base = self.runner.store_futures(batch.pending.ids)
             for j, i in enumerate(batch.sample_pos):
                 if batch.is_current(i):
                     batch.reqs[i].pending_ref = base + j
         return True
+
+    @staticmethod
+    def _samples_early(batch: ScheduledBatch) -> bool:
+        return not any(r.grammar is not None or r.sampling_params.has_penalties() for r in batch.sample_reqs)
 
     @contextlib.contextmanager
     def _fail_batch_on_oom(self, batch: ScheduledBatch):
@@ -395,7 +411,8 @@ class Scheduler(SchedulerOutputMixin):
                     outputs.append(self._output(r, []))
                     self._release(r)
                 continue
-            outputs.append(self._append_token(r, sampled, j))
+            ref = None if batch.future_base is None else batch.future_base + j
+            outputs.append(self._append_token(r, sampled, j, ref))
             if r.finished:
                 self._release(r)
             elif r.req_pool_idx is None:

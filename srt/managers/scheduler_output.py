@@ -10,10 +10,13 @@ from radixlm.srt.managers.req import Req
 
 
 class SchedulerOutputMixin:
-    def _append_token(self, r: Req, sampled, i: int) -> TokenOutput:
+    def _append_token(self, r: Req, sampled, i: int, ref: int | None = None) -> TokenOutput:
+        """`ref`: where the step put this token among the futures. A later step may already have sampled the
+        request's next token (sampling launched before this step was processed): its future stays pending."""
         token = sampled.next_ids[i]
         r.output_ids.append(token)
-        r.pending_ref = None
+        if r.pending_ref == ref:
+            r.pending_ref = None
         self.stats.generated_tokens += 1
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()

@@ -111,6 +111,9 @@ class SamplingParams:
 
         return grammar_spec(self.json_schema, self.regex, self.ebnf, self.tool_call)
 
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1

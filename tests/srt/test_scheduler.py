@@ -79,6 +79,38 @@ def test_policies_give_same_greedy_outputs(tiny_dir, policy, mode):
     assert_engine_idle(engine)
 
 
+def test_seeded_sampling_and_min_tokens_agree_in_every_mode(tiny_dir):
+    """Overlap launches a step's sampling before the step in flight is read back (unless penalties need its
+    tokens): the seeds' step counters and the min_new_tokens ban must count the token still on the device."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 30))] for _ in range(12)]
+    stops = list(range(3, 300))  # most of the vocabulary stops a request: the ban decides the lengths
+    params = [{"temperature": 0.9, "top_p": 0.95, "seed": 100 + i, "max_new_tokens": 12, "min_new_tokens": 2 + i % 5,
+               "stop_token_ids": stops} for i in range(len(prompts))]
+    penalized = [{**p, "presence_penalty": 0.5, "repetition_penalty": 1.2} for p in params[:4]]
+    results = {}
+    for mode in MODES:
+        engine = _engine(tiny_dir, mode, max_total_tokens=4096)
+        results[mode] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        order = list(engine.scheduler.last_step["phases_ms"])
+        results[mode, "penalized"] = [o["output_ids"] for o in
+                                      engine.generate(input_ids=prompts[:4], sampling_params=penalized)]
+        penalized_order = list(engine.scheduler.last_step["phases_ms"])
+        if mode == "plain":
+            assert order == penalized_order == ["schedule", "forward", "sample", "process"]
+        else:  # sampling goes out with the forward unless penalties read the previous step's tokens
+            assert order == ["schedule", "forward", "sample", "process"]
+            assert penalized_order == ["schedule", "forward", "process", "sample"]
+        assert_engine_idle(engine)
+    for i, out in enumerate(results["plain"]):
+        assert len(out) >= params[i]["min_new_tokens"]
+    assert any(len(o) < 12 for o in results["plain"])  # the stop ids end some requests once allowed
+    assert len({tuple(map(tuple, o)) for o in results.values()}) == 2  # plain, penalized: same in every mode
+    for mode in MODES:
+        assert results[mode] == results["plain"]
+        assert results[mode, "penalized"] == results["plain", "penalized"]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_abort_while_waiting_mid_chunk_and_decoding(tiny_dir, mode):
     engine = _engine(tiny_dir, mode, chunked_prefill_size=32, max_total_tokens=4096, max_running_requests=2)
