@@ -95,6 +95,12 @@ def mapping_of(addr: int, maps: str) -> str:
     return "unmapped"
 
 
+def _named(frames: list[str], n: int = 4) -> list[str]:
+    """The first `n` frames that carry a symbol (lib!name+off), the program counter's first whatever it is."""
+    named = [f for f in frames[1:] if "!" in f]
+    return (frames[:1] + named)[:n]
+
+
 def stall_summary(stalls: list[dict], maps: str | None = None) -> dict:
     """Where the scheduler thread's caught stalls went, as the kernel saw the thread: on a CPU (work, ours or
     the kernel's for us), runnable but off one (contention), or neither (waiting on a lock, the driver)."""
@@ -118,6 +124,14 @@ def stall_summary(stalls: list[dict], maps: str | None = None) -> dict:
     kstacks = Counter(" < ".join(st["kstack"][:3]) for st in stalls if st.get("kstack"))
     if kstacks:
         out["kernel_stacks"] = dict(kstacks.most_common(6))
+    # native stack guesses: the innermost named frames say which call (a CUDA entry point, the GIL) it sleeps in
+    native = Counter(" < ".join(_named(st["native"])) for st in stalls if st.get("native"))
+    if native:
+        out["native_stacks"] = dict(native.most_common(8))
+    owners = Counter(f"{o['name']} {o['state']} {_SYSCALLS.get(o['syscall'], o['syscall'])}: "
+                     + " < ".join(_named(o.get("native", []))) for st in stalls if (o := st.get("futex_owner")))
+    if owners:
+        out["futex_owners"] = dict(owners.most_common(6))
     return {**out, "caught": len(stalls), "state_syscall_wchan": dict(where.most_common(8)),
             "after_caught_ms": {"window": round(window, 1), "on_cpu": round(on_cpu, 1), "runq": round(runq, 1),
                                 "off_cpu": round(window - on_cpu - runq, 1)},

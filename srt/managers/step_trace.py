@@ -93,7 +93,30 @@ def _thread_state(tid: int, others: bool = False) -> dict:
                 continue
             out["threads"].append([int(other), stat[stat.index("(") + 1:stat.rindex(")")], rest[0], call,
                                    int(rest[36])])
+        try:
+            _native_state(tid, out)
+        except (OSError, ValueError, IndexError):
+            pass
     return out
+
+
+def _native_state(tid: int, out: dict) -> None:
+    """Add the stalled thread's native stack guess; for a futex, the mutex's holder if it is one of ours; and
+    the stacks of threads blocked in the driver (ioctl) or the kernel (D), where a lock's holder may wait."""
+    from radixlm.srt.managers.native_stack import Mappings, futex_owner, stack_guess
+
+    maps = Mappings.read()
+    out["native"] = stack_guess(tid, maps)
+    threads = {t[0]: t for t in out["threads"]}
+    if out.get("syscall") == "202" and out.get("syscall_args"):
+        owner = futex_owner(int(out["syscall_args"][0], 16), set(threads), maps)
+        if owner is not None:
+            _, name, state, call, cpu = threads[owner]
+            out["futex_owner"] = {"tid": owner, "name": name, "state": state, "syscall": call, "cpu": cpu,
+                                  "native": stack_guess(owner, maps)}
+    blocked = [t for t in threads.values() if t[2] == "D" or t[3] == "16"][:4]
+    if blocked:
+        out["blocked_native"] = {f"{t[0]} {t[1]} {t[3]}": stack_guess(t[0], maps)[:12] for t in blocked}
 
 
 def _schedstat(tid: int) -> tuple[int, int] | None:

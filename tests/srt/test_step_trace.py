@@ -182,3 +182,72 @@ def test_a_stall_with_an_address_leaves_the_mappings_beside_the_trace(tmp_path):
     maps = (tmp_path / "steps.maps").read_text()
     assert "python" in maps.lower() or "libpython" in maps  # this process's own mappings
     assert json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[1])["stalls"][0]["syscall_args"]
+
+
+def test_a_thread_stalled_on_a_mutex_names_its_holder_and_native_stacks():
+    """A real pthread mutex held by one thread and waited on by another: the waiter's state carries a native
+    stack guess with the libc call it sleeps in, and the holder found from the mutex's owner field."""
+    import ctypes
+    import threading
+
+    from benchmarks.itl_tail import stall_summary
+    from radixlm.srt.managers.step_trace import _thread_state
+
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # zeroed: an unlocked default mutex
+    tids, held, release = {}, threading.Event(), threading.Event()
+
+    def hold():
+        tids["holder"] = threading.get_native_id()
+        libc.pthread_mutex_lock(mutex)  # ctypes lets go of the GIL around foreign calls
+        held.set()
+        release.wait()
+        libc.pthread_mutex_unlock(mutex)
+
+    def wait():
+        tids["waiter"] = threading.get_native_id()
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_unlock(mutex)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(5)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (
+                "waiter" in tids and open(f"/proc/self/task/{tids['waiter']}/syscall").read().startswith("202")):
+            time.sleep(0.001)
+        state = _thread_state(tids["waiter"], others=True)
+    finally:
+        release.set()
+        holder.join()
+        waiter.join()
+    assert state["syscall"] == "202"
+    assert any(f.startswith("libc.so.6!pthread_mutex_lock+") for f in state["native"][:3])
+    owner = state["futex_owner"]
+    assert owner["tid"] == tids["holder"] and owner["state"] == "S"
+    assert any("PyThread_acquire_lock" in f for f in owner["native"])  # the holder waits on `release`
+    got = stall_summary([state])
+    (stack,) = got["native_stacks"]
+    assert "pthread_mutex_lock" in stack
+    (who,) = got["futex_owners"]
+    assert who.startswith("python S futex: ") and "PyThread_acquire_lock" in who
+
+
+def test_native_stack_guess_reads_only_mapped_memory():
+    import threading
+
+    from radixlm.srt.managers.native_stack import Mappings, read_words, stack_guess
+
+    maps = Mappings.read()
+    # a thread reading its own /proc entry is in read() as the kernel answers
+    pc = stack_guess(threading.get_native_id(), maps)[0]
+    assert pc.startswith("libc.so.6!") and "read+" in pc
+    assert read_words(8, 4, maps) == ()  # the zero page is not mapped
+    i = maps.find(id(maps))  # an object's address is in a readable data mapping
+    assert i is not None and maps.perms[i][0] == "r"
+    last = maps.ends[i] - 16
+    assert len(read_words(last, 4, maps)) == 2  # cut at the mapping's end, never past it
+    assert maps.symbol(id(maps)) is None  # data, not code
