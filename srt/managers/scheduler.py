@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -37,6 +38,11 @@ from radixlm.srt.model_executor.forward_batch import ForwardMode
 from radixlm.srt.utils import freeze_startup_objects, to_device
 
 logger = logging.getLogger(__name__)
+
+
+# RADIXLM_LATE_SAMPLE=1: every batch samples after the step in flight is processed, as before sampling went out
+# with the forward (an A/B switch for the serving benchmark)
+_LATE_SAMPLE = os.environ.get("RADIXLM_LATE_SAMPLE") == "1"
 
 
 def _no_phase(name: str | None) -> None:
@@ -362,6 +368,8 @@ class Scheduler(SchedulerOutputMixin):
 
     @staticmethod
     def _samples_early(batch: ScheduledBatch) -> bool:
+        if _LATE_SAMPLE:
+            return False
         return not any(r.grammar is not None or r.sampling_params.has_penalties() for r in batch.sample_reqs)
 
     @contextlib.contextmanager
