@@ -51,7 +51,7 @@ def load_steps(path: Path) -> list[dict]:
     return steps
 
 
-def step_summary(steps: list[dict], maps: str | None = None) -> dict:
+def step_summary(steps: list[dict], maps: str | None = None, syms: dict | None = None) -> dict:
     out = {}
     for mode in sorted({s.get("mode", "?") for s in steps}):
         sel = [s for s in steps if s.get("mode") == mode]
@@ -74,8 +74,11 @@ def step_summary(steps: list[dict], maps: str | None = None) -> dict:
     if caught:
         out["phase_stall_stacks"] = dict(caught.most_common(10))
     stalls = [st for s in steps for st in s.get("stalls", [])]
+    missed = sum(s.get("stalls_missed", 0) for s in steps)
+    if missed:  # caught, but the phase ended while the watcher read the thread's state
+        out["stalls_missed"] = missed
     if stalls:
-        out["phase_stalls"] = stall_summary(stalls, maps)
+        out["phase_stalls"] = stall_summary(stalls, maps, syms)
     return out
 
 
@@ -95,13 +98,14 @@ def mapping_of(addr: int, maps: str) -> str:
     return "unmapped"
 
 
-def _named(frames: list[str], n: int = 4) -> list[str]:
-    """The first `n` frames that carry a symbol (lib!name+off), the program counter's first whatever it is."""
-    named = [f for f in frames[1:] if "!" in f]
-    return (frames[:1] + named)[:n]
+def _named(frames: list[str], syms: dict, n: int = 4) -> list[str]:
+    """The program counter, then the first frames that carry an exported name (lib!name+off), `n` in all;
+    raw addresses are named from the trace's `.syms` file."""
+    frames = [syms.get(f, f) for f in frames]
+    return (frames[:1] + [f for f in frames[1:] if "!" in f])[:n]
 
 
-def stall_summary(stalls: list[dict], maps: str | None = None) -> dict:
+def stall_summary(stalls: list[dict], maps: str | None = None, syms: dict | None = None) -> dict:
     """Where the scheduler thread's caught stalls went, as the kernel saw the thread: on a CPU (work, ours or
     the kernel's for us), runnable but off one (contention), or neither (waiting on a lock, the driver)."""
     timed = [st for st in stalls if "on_cpu_ms" in st]
@@ -125,13 +129,19 @@ def stall_summary(stalls: list[dict], maps: str | None = None) -> dict:
     if kstacks:
         out["kernel_stacks"] = dict(kstacks.most_common(6))
     # native stack guesses: the innermost named frames say which call (a CUDA entry point, the GIL) it sleeps in
-    native = Counter(" < ".join(_named(st["native"])) for st in stalls if st.get("native"))
+    syms = syms or {}
+    native = Counter(" < ".join(_named(st["native"], syms)) for st in stalls if st.get("native"))
     if native:
         out["native_stacks"] = dict(native.most_common(8))
     owners = Counter(f"{o['name']} {o['state']} {_SYSCALLS.get(o['syscall'], o['syscall'])}: "
-                     + " < ".join(_named(o.get("native", []))) for st in stalls if (o := st.get("futex_owner")))
+                     + " < ".join(_named(o.get("native", []), syms)) for st in stalls
+                     if (o := st.get("futex_owner")))
     if owners:
         out["futex_owners"] = dict(owners.most_common(6))
+    blocked = Counter(f"{who}: " + " < ".join(_named(frames, syms)) for st in stalls
+                      for who, frames in st.get("blocked_native", {}).items())
+    if blocked:
+        out["blocked_in_driver"] = dict(blocked.most_common(6))
     return {**out, "caught": len(stalls), "state_syscall_wchan": dict(where.most_common(8)),
             "after_caught_ms": {"window": round(window, 1), "on_cpu": round(on_cpu, 1), "runq": round(runq, 1),
                                 "off_cpu": round(window - on_cpu - runq, 1)},
@@ -251,7 +261,9 @@ def main() -> None:
         raise SystemExit("no server steps inside the client's run: are both on one machine and one trace file?")
     maps_file = args.trace.with_suffix(".maps")  # the scheduler's mappings, when its stalls recorded addresses
     maps = maps_file.read_text() if maps_file.exists() else None
-    res = {"label": report.get("label"), "steps": step_summary(steps, maps), **classify(steps, times)}
+    syms_file = args.trace.with_suffix(".syms")  # names of the code addresses in its stalls' stack guesses
+    syms = json.loads(syms_file.read_text()) if syms_file.exists() else None
+    res = {"label": report.get("label"), "steps": step_summary(steps, maps, syms), **classify(steps, times)}
     events = load_events(args.trace, report)
     res["output_path"] = output_path(events, t0, t1)
     res["delivery_blame"] = blame_delivery(res.pop("delivery_gaps"), events)

@@ -169,14 +169,15 @@ if stage facts; then  # what the host is: NUMA layout and balancing, huge pages,
 fi
 if stage tailab; then  # c32 tail per server setting, servers alternating (TAILAB_ROUNDS, C32_RUNS)
   # TAILAB_MODES: label:VAR=value,--flag=value,... (environment and server flags; default: the upload ring vs
-  # per-call pinning). TAILAB_TRACE=0: no step trace (its stall watcher takes the GIL every 2 ms)
+  # per-call pinning). TAILAB_TRACE=0: no step trace (its stall watcher takes the GIL every 2 ms); a mode's own
+  # TRACE=0/1 overrides it
   for r in $(seq ${TAILAB_ROUNDS:-2}); do
     for spec in ${TAILAB_MODES:-ring:RADIXLM_UPLOAD=ring pin:RADIXLM_UPLOAD=pin}; do
       mode=${spec%%:*}; envs=""; flags=""; echo "== tailab $mode$r ($(left) s left)"
       for tok in $(echo "${spec#*:}" | tr , ' '); do
         case $tok in --*) flags="$flags $tok";; *) envs="$envs $tok";; esac
       done
-      env $envs C32_RUNS=${C32_RUNS:-2} TRACE=${TAILAB_TRACE:-1} EXTRA="${SERVE_EXTRA:---attention-backend triton \
+      env C32_RUNS=${C32_RUNS:-2} TRACE=${TAILAB_TRACE:-1} $envs EXTRA="${SERVE_EXTRA:---attention-backend triton \
         --enable-mixed-chunk --chunked-prefill-size 256}$flags" WORKLOADS=c32 timeout $(left) \
         bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/tailab_$mode$r 2>&1 | grep "random-c32\|CPU guard"
       grep -h "moved off\|pinned to" /tmp/r/serving/tailab_$mode$r/server.log | cut -c1-200

@@ -7,102 +7,77 @@ frame-pointer-free stack guess, the kind debuggers fall back on. A few are stale
 whole (a run of libcuda frames under a libtorch caller that names the CUDA call, or libpython's
 PyEval_RestoreThread: waiting for the GIL). For a futex, the owner field of a pthread mutex at that address names
 the thread that holds it, when that is one of ours.
+
+Capture is cheap and takes no loader lock (it runs while the stalled phase lasts): raw addresses, memory read
+through /proc/self/mem (an unmapped address is an error, not a crash). Naming them (`symbolize`, dladdr: a linear
+scan of a library's symbols under the loader lock, about a millisecond each in libtorch) waits for a quiet moment.
 """
 from __future__ import annotations
 
 import bisect
 import ctypes
 import os
+import re
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 
 SCAN_BYTES = 8192  # of stack above the stack pointer: a few dozen frames
 MAX_FRAMES = 20
 NEAR_SYMBOL = 0x4000  # farther from the nearest exported name than this, the name says nothing (stripped code)
 
-
-class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+_CODE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) r-xp ([0-9a-f]+) \S+ \S+ *(.*)$", re.M)
 
 
-_dladdr = None
+class CodeMap:
+    """This process's executable mappings, searchable by address (rebuilt when libraries come or go)."""
 
-
-def _resolve(addr: int) -> tuple[str, int] | None:
-    """The nearest exported symbol at or below `addr` and the distance to it (dladdr)."""
-    global _dladdr
-    if _dladdr is None:
-        _dladdr = ctypes.CDLL(None).dladdr
-        _dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-        _dladdr.restype = ctypes.c_int
-    info = _DlInfo()
-    if not _dladdr(addr, ctypes.byref(info)) or not info.dli_sname or not info.dli_saddr:
-        return None
-    return info.dli_sname.decode(errors="replace"), addr - info.dli_saddr
-
-
-@dataclass
-class Mappings:
-    """This process's mappings (/proc/self/maps), searchable by address."""
-
-    starts: list[int] = field(default_factory=list)
-    ends: list[int] = field(default_factory=list)
-    perms: list[str] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-
-    @classmethod
-    def read(cls, text: str | None = None) -> "Mappings":
-        global _last
+    def __init__(self, text: str | None = None):
         text = text if text is not None else Path("/proc/self/maps").read_text()
-        if _last is not None and _last[0] == text:  # parsed once while the mappings stay as they were
-            return _last[1]
-        m = cls()
-        for line in text.splitlines():
-            fields = line.split(None, 5)
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            m.starts.append(lo)
-            m.ends.append(hi)
-            m.perms.append(fields[1])
-            m.offsets.append(int(fields[2], 16))
-            m.names.append(os.path.basename(fields[5]) if len(fields) > 5 else "anon")
-        _last = (text, m)
-        return m
+        rows = sorted((int(lo, 16), int(hi, 16), int(off, 16), os.path.basename(name) or "anon")
+                      for lo, hi, off, name in _CODE.findall(text))
+        self.starts = [r[0] for r in rows]
+        self.rows = rows
 
-    def find(self, addr: int) -> int | None:
+    def find(self, addr: int) -> tuple[int, int, int, str] | None:
         i = bisect.bisect_right(self.starts, addr) - 1
-        return i if i >= 0 and addr < self.ends[i] else None
+        return self.rows[i] if i >= 0 and addr < self.rows[i][1] else None
 
-    def readable(self, addr: int, nbytes: int) -> int:
-        """How many of `nbytes` from `addr` can be read (0 when `addr` is not in a readable mapping)."""
-        i = self.find(addr)
-        if i is None or self.perms[i][0] != "r":
-            return 0
-        return min(nbytes, self.ends[i] - addr)
-
-    def symbol(self, addr: int) -> str | None:
-        """`lib+0xoffset` (the offset in the file), `lib!symbol+0xoff` when an exported name is near; None when
-        `addr` is not in executable code."""
-        i = self.find(addr)
-        if i is None or "x" not in self.perms[i]:
-            return None
-        name = self.names[i]
-        near = _resolve(addr)
-        if near is not None and near[1] < NEAR_SYMBOL:
-            return f"{name}!{near[0][:90]}+{near[1]:#x}"
-        return f"{name}+{addr - self.starts[i] + self.offsets[i]:#x}"
+    def where(self, addr: int) -> str:
+        """`lib+0xoffset` (the offset in the file), or the raw address outside code."""
+        row = self.find(addr)
+        return f"{row[3]}+{addr - row[0] + row[2]:#x}" if row else f"{addr:#x}"
 
 
-_last: tuple[str, Mappings] | None = None
+_code: CodeMap | None = None
+_code_key: str | None = None
+_mem_fd: int | None = None
 
 
-def read_words(addr: int, count: int, maps: Mappings, fmt: str = "Q") -> tuple[int, ...]:
-    """`count` words of this process's memory at `addr` (fewer where the mapping ends; none if unmapped)."""
-    size = struct.calcsize(fmt)
-    n = maps.readable(addr, count * size) // size
-    return struct.unpack(f"{n}{fmt}", ctypes.string_at(addr, n * size)) if n else ()
+def code_map() -> CodeMap:
+    global _code, _code_key
+    text = Path("/proc/self/maps").read_text()
+    key = "".join(m.group(0) for m in _CODE.finditer(text))
+    if key != _code_key:
+        _code, _code_key = CodeMap(text), key
+    return _code
+
+
+def read_memory(addr: int, nbytes: int) -> bytes:
+    """Up to `nbytes` of this process's memory at `addr`; b"" where nothing is mapped."""
+    global _mem_fd
+    if _mem_fd is None:
+        _mem_fd = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        return os.pread(_mem_fd, nbytes, addr)
+    except (OSError, OverflowError):
+        # a read running into an unmapped page fails whole: retry up to that page's end
+        end = (addr | 0xFFF) + 1
+        if end - addr >= nbytes:
+            return b""
+        try:
+            return os.pread(_mem_fd, end - addr, addr)
+        except (OSError, OverflowError):
+            return b""
 
 
 def registers(tid: int) -> tuple[int, int] | None:
@@ -116,28 +91,55 @@ def registers(tid: int) -> tuple[int, int] | None:
     return int(call[-2], 16), int(call[-1], 16)
 
 
-def stack_guess(tid: int, maps: Mappings) -> list[str]:
+def stack_guess(tid: int, code: CodeMap) -> list[int]:
     """The thread's program counter and the code addresses found on its stack, innermost first, repeats
     folded; empty while the thread runs."""
     regs = registers(tid)
     if regs is None:
         return []
     sp, pc = regs
-    frames = [maps.symbol(pc) or f"{pc:#x}"]
-    for word in read_words(sp & ~7, SCAN_BYTES // 8, maps):
-        name = maps.symbol(word)
-        if name is not None and name != frames[-1]:
-            frames.append(name)
+    frames = [pc]
+    raw = read_memory(sp & ~7, SCAN_BYTES)
+    for (word,) in struct.iter_unpack("Q", raw[: len(raw) // 8 * 8]):
+        if word != frames[-1] and code.find(word) is not None:
+            frames.append(word)
             if len(frames) >= MAX_FRAMES:
                 break
     return frames
 
 
-def futex_owner(addr: int, tids: set[int], maps: Mappings) -> int | None:
+def futex_owner(addr: int, tids: set[int]) -> int | None:
     """The thread holding the pthread mutex whose lock word is at `addr` (glibc keeps the owner's id two ints
     on), if the word looks like a taken mutex and the owner is one of `tids`; None otherwise (a condition
     variable, a semaphore, the GIL's wait)."""
-    words = read_words(addr, 3, maps, "i")
-    if len(words) == 3 and words[0] != 0 and words[2] in tids:
-        return words[2]
-    return None
+    raw = read_memory(addr, 12)
+    if len(raw) < 12:
+        return None
+    lock, _, owner = struct.unpack("iii", raw)
+    return owner if lock != 0 and owner in tids else None
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def symbolize(addrs, code: CodeMap | None = None) -> dict[str, str]:
+    """{hex address: `lib!symbol+0xoff` where an exported name is near, else `lib+0xoffset`} (dladdr: slow,
+    takes the loader lock; for a quiet moment)."""
+    code = code or code_map()
+    dladdr = ctypes.CDLL(None).dladdr
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    dladdr.restype = ctypes.c_int
+    out = {}
+    for addr in addrs:
+        row = code.find(addr)
+        if row is None:
+            continue
+        info = _DlInfo()
+        if dladdr(addr, ctypes.byref(info)) and info.dli_sname and info.dli_saddr \
+                and addr - info.dli_saddr < NEAR_SYMBOL:
+            out[f"{addr:#x}"] = f"{row[3]}!{info.dli_sname.decode(errors='replace')[:90]}+{addr - info.dli_saddr:#x}"
+        else:
+            out[f"{addr:#x}"] = code.where(addr)
+    return out

@@ -48,7 +48,7 @@ class _JsonlTrace:
     def _add(self, rec: dict) -> None:
         self.lines.append(json.dumps(rec))
         if len(self.lines) >= self.FLUSH_EVERY:
-            self.flush()
+            _JsonlTrace.flush(self)  # the lines only: a subclass's extras wait for a quiet moment
 
     def flush(self) -> None:
         if self.lines and self.path is not None:
@@ -101,22 +101,34 @@ def _thread_state(tid: int, others: bool = False) -> dict:
 
 
 def _native_state(tid: int, out: dict) -> None:
-    """Add the stalled thread's native stack guess; for a futex, the mutex's holder if it is one of ours; and
-    the stacks of threads blocked in the driver (ioctl) or the kernel (D), where a lock's holder may wait."""
-    from radixlm.srt.managers.native_stack import Mappings, futex_owner, stack_guess
+    """Add the stalled thread's native stack guess (raw addresses: named at flush); for a futex, the mutex's
+    holder if it is one of ours; and the stacks of threads blocked in the driver (ioctl) or the kernel (D),
+    where a lock's holder may wait."""
+    from radixlm.srt.managers.native_stack import code_map, futex_owner, stack_guess
 
-    maps = Mappings.read()
-    out["native"] = stack_guess(tid, maps)
+    code = code_map()
+
+    def guess(t: int, n: int = 20) -> list[str]:
+        return [f"{a:#x}" for a in stack_guess(t, code)[:n]]
+
+    out["native"] = guess(tid)
     threads = {t[0]: t for t in out["threads"]}
     if out.get("syscall") == "202" and out.get("syscall_args"):
-        owner = futex_owner(int(out["syscall_args"][0], 16), set(threads), maps)
+        owner = futex_owner(int(out["syscall_args"][0], 16), set(threads))
         if owner is not None:
             _, name, state, call, cpu = threads[owner]
             out["futex_owner"] = {"tid": owner, "name": name, "state": state, "syscall": call, "cpu": cpu,
-                                  "native": stack_guess(owner, maps)}
+                                  "native": guess(owner)}
     blocked = [t for t in threads.values() if t[2] == "D" or t[3] == "16"][:4]
     if blocked:
-        out["blocked_native"] = {f"{t[0]} {t[1]} {t[3]}": stack_guess(t[0], maps)[:12] for t in blocked}
+        out["blocked_native"] = {f"{t[0]} {t[1]} {t[3]}": guess(t[0], 12) for t in blocked}
+
+
+def native_addresses(stall: dict) -> set[int]:
+    """Every raw code address a stall record carries."""
+    lists = [stall.get("native", []), stall.get("futex_owner", {}).get("native", []),
+             *stall.get("blocked_native", {}).values()]
+    return {int(a, 16) for frames in lists for a in frames}
 
 
 def _schedstat(tid: int) -> tuple[int, int] | None:
@@ -149,6 +161,8 @@ class StepTrace(_JsonlTrace):
         self._stacks: list[tuple[str, list[str]]] = []
         self._stalls: list[dict] = []
         self._addresses = False  # a stall recorded a system call's arguments: write the mappings out too
+        self._code: set[int] = set()  # raw code addresses in stall records, named at the next flush()
+        self.missed = 0
         self._late = 0.0
         self._pending: tuple[dict, tuple[int, int] | None, float] | None = None  # a stall whose phase runs on
         import threading
@@ -203,14 +217,25 @@ class StepTrace(_JsonlTrace):
                     stall = {"phase": cur[0], "at_ms": round((t - cur[1]) * 1e3, 2), **state}
                     self._stalls.append(stall)
                     self._pending = (stall, before, t)
+                else:
+                    self.missed += 1  # the phase ended while its state was read
 
     def flush(self) -> None:
+        """Write the lines out, with what their stall records need read beside them: this process's mappings
+        (`.maps`: which library a futex lies in) and the names of their code addresses (`.syms`). Called at
+        quiet moments (/flush_cache, exit): naming addresses takes a while."""
         super().flush()
         if self._addresses and self.path is not None:
-            # A caught stall's futex address means something only against this process's mappings (which
-            # library's lock): keep a copy beside the trace
             self.path.with_suffix(".maps").write_text(Path("/proc/self/maps").read_text())
             self._addresses = False
+        if self._code and self.path is not None:
+            from radixlm.srt.managers.native_stack import symbolize
+
+            syms = self.path.with_suffix(".syms")
+            known = json.loads(syms.read_text()) if syms.exists() else {}
+            addrs, self._code = self._code, set()
+            known.update(symbolize(a for a in addrs if f"{a:#x}" not in known))
+            syms.write_text(json.dumps(known))
 
     def record(self, t0: float, info: dict, n_outputs: int) -> None:
         self.phase(None)
@@ -223,6 +248,10 @@ class StepTrace(_JsonlTrace):
         if stalls:
             rec["stalls"] = stalls
             self._addresses = self._addresses or any("syscall_args" in st for st in stalls)
+            for st in stalls:
+                self._code |= native_addresses(st)
+        if self.missed:
+            rec["stalls_missed"], self.missed = self.missed, 0
         late, self._late = self._late, 0.0
         if late > 0.002:
             rec["watch_late_ms"] = round(late * 1e3, 2)
