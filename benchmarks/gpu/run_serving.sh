@@ -15,6 +15,9 @@ fi
 CT=""
 if [ "${TRACE:-0}" = 1 ]; then export RADIXLM_STEP_TRACE=$OUT/steps.jsonl; CT=--save-chunk-times; fi
 NG=""; [ "${CLIENT_GUARD:-1}" = 0 ] && NG=--no-cpu-guard  # CLIENT_GUARD=0: the clients where the kernel puts them
+# STALLS=1: the scheduler posts its phase to a board and stall_sampler.py watches it from outside in each c32 run
+# (stalls_c32*.json: where the scheduler thread was when a phase ran long; needs no trace)
+if [ "${STALLS:-0}" = 1 ]; then export RADIXLM_PHASE_BOARD=/dev/shm/radixlm-board-$PORT; fi
 python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
     --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" ${EXTRA:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -32,6 +35,10 @@ for n in $(seq ${C32_RUNS:-1}); do
     want c32 || break
     sfx=$([ $n = 1 ] || echo _$n)
     python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32$sfx.json" & PROBE=$!
+    SAMPLER=""
+    if [ "${STALLS:-0}" = 1 ]; then
+        python benchmarks/gpu/stall_sampler.py $RADIXLM_PHASE_BOARD "$OUT/stalls_c32$sfx.json" & SAMPLER=$!
+    fi
     # SOFTIRQ_LOAD=1: loopback traffic on the scheduler loop's CPU, started once the run is under way
     LOAD=""
     if [ "${SOFTIRQ_LOAD:-0}" = 1 ]; then
@@ -42,6 +49,18 @@ for n in $(seq ${C32_RUNS:-1}); do
         --seed $((n - 1)) $CT $NG > /dev/null  # new prompts each run: no prefix cache hits from the last
     [ -n "$LOAD" ] && { kill -INT $LOAD 2> /dev/null; wait $LOAD; }
     kill -INT $PROBE; wait $PROBE
+    if [ -n "$SAMPLER" ]; then
+        kill -INT $SAMPLER; wait $SAMPLER
+        python - "$OUT/stalls_c32$sfx.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+s = d["summary_first_samples"] or {}
+print("stalls:", d["by_phase"], "after caught", s.get("after_caught_ms"), "where", s.get("state_syscall_wchan"))
+for key in ("native_stacks", "futex_owners", "futex_in", "others_running"):
+    for k, v in list(s.get(key, {}).items())[:4]:
+        print(f"  {key} {v}: {k[:230]}")
+PY
+    fi
 done
 want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The c32 ITL tail shows on some lent machines only. Probe first (PROBE_MODE, traced, C32_RUNS runs); go on with
-# the A/B modes (HUNT_MODES, run_fastpath's TAILAB_MODES syntax; HUNT_TRACE) only when a probe run's p99/p50 is
-# over HUNT_RATIO (default 2), so a quiet machine costs one server start and two runs.
+# The c32 ITL tail shows on some lent machines only. Probe first (PROBE_MODE, default the stall sampler with no
+# step trace; C32_RUNS runs); go on with the A/B modes (HUNT_MODES, run_fastpath's TAILAB_MODES syntax;
+# HUNT_TRACE) only when a probe run's p99/p50 is over HUNT_RATIO (default 2), so a quiet machine costs one server
+# start and two runs.
 # Usage (device tool): bash benchmarks/gpu/tail_hunt.sh DEST
 set -u
 source .gpu-bundle/activate
 DEST=$1
 export FI_BUILD=0 TAILAB_ROUNDS=1 C32_RUNS=${C32_RUNS:-2}
-TAILAB_MODES="${PROBE_MODE:-probe:--scheduler-cpus=auto}" BUDGET=${PROBE_BUDGET:-200} \
-  bash benchmarks/gpu/run_fastpath.sh "$DEST" tailab 2>&1 | grep -E "==|random-c32|guard|moved|pinned"
+TAILAB_MODES="${PROBE_MODE:-probe:STALLS=1,TRACE=0}" BUDGET=${PROBE_BUDGET:-200} \
+  bash benchmarks/gpu/run_fastpath.sh "$DEST" tailab 2>&1 | grep -E "==|random-c32|guard|moved|pinned|stalls:|^  [a-z_]+ [0-9]"
 worst=$(python - <<'PY'
 import glob, json
 ratios = [d["itl_ms"]["p99"] / d["itl_ms"]["p50"] for f in glob.glob("/tmp/r/serving/tailab_*/random_c32*.json")
@@ -20,7 +21,7 @@ echo "probe: worst p99/p50 $worst"
 if python -c "import sys; sys.exit(0 if $worst > ${HUNT_RATIO:-2} else 1)"; then
   echo "tail machine: A/B modes follow"
   TAILAB_MODES="$HUNT_MODES" TAILAB_TRACE=${HUNT_TRACE:-1} BUDGET=${HUNT_BUDGET:-380} \
-    bash benchmarks/gpu/run_fastpath.sh "$DEST" tailab 2>&1 | grep -E "==|random-c32|guard|moved|pinned|done"
+    bash benchmarks/gpu/run_fastpath.sh "$DEST" tailab 2>&1 | grep -E "==|random-c32|guard|moved|pinned|done|stalls:|^  [a-z_]+ [0-9]"
 else
   echo "quiet machine: no A/B"
 fi

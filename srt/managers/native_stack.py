@@ -1,7 +1,8 @@
-"""What a thread of this process is blocked in, natively: for naming the lock or driver call a stalled scheduler
-thread waits in on machines where the kernel's wait channel and stack read as nothing (the lent VMs).
+"""What a thread is blocked in, natively: for naming the lock or driver call a stalled scheduler thread waits in
+on machines where the kernel's wait channel and stack read as nothing (the lent VMs). `pid` is "self" (the step
+trace's watcher) or another process's id (benchmarks/gpu/stall_sampler.py, which needs ptrace rights over it).
 
-While a thread is in a system call, /proc/self/task/TID/syscall gives its stack pointer and program counter.
+While a thread is in a system call, /proc/PID/task/TID/syscall gives its stack pointer and program counter.
 The words just above the stack pointer that point into executable mappings are mostly return addresses: a
 frame-pointer-free stack guess, the kind debuggers fall back on. A few are stale values, so read a guess as a
 whole (a run of libcuda frames under a libtorch caller that names the CUDA call, or libpython's
@@ -31,14 +32,15 @@ _CODE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) r-xp ([0-9a-f]+) \S+ \S+ *(.*)$", 
 class CodeMap:
     """This process's executable mappings, searchable by address (rebuilt when libraries come or go)."""
 
-    def __init__(self, text: str | None = None):
-        text = text if text is not None else Path("/proc/self/maps").read_text()
-        rows = sorted((int(lo, 16), int(hi, 16), int(off, 16), os.path.basename(name) or "anon")
+    def __init__(self, text: str | None = None, pid: int | str = "self"):
+        text = text if text is not None else Path(f"/proc/{pid}/maps").read_text()
+        rows = sorted((int(lo, 16), int(hi, 16), int(off, 16), os.path.basename(name) or "anon", name)
                       for lo, hi, off, name in _CODE.findall(text))
         self.starts = [r[0] for r in rows]
         self.rows = rows
 
-    def find(self, addr: int) -> tuple[int, int, int, str] | None:
+    def find(self, addr: int) -> tuple[int, int, int, str, str] | None:
+        """(start, end, file offset, file name, path) of the code mapping holding `addr`."""
         i = bisect.bisect_right(self.starts, addr) - 1
         return self.rows[i] if i >= 0 and addr < self.rows[i][1] else None
 
@@ -48,42 +50,41 @@ class CodeMap:
         return f"{row[3]}+{addr - row[0] + row[2]:#x}" if row else f"{addr:#x}"
 
 
-_code: CodeMap | None = None
-_code_key: str | None = None
-_mem_fd: int | None = None
+_code: dict = {}  # pid -> (key, CodeMap)
+_mem_fds: dict = {}  # pid -> fd of /proc/PID/mem
 
 
-def code_map() -> CodeMap:
-    global _code, _code_key
-    text = Path("/proc/self/maps").read_text()
+def code_map(pid: int | str = "self") -> CodeMap:
+    text = Path(f"/proc/{pid}/maps").read_text()
     key = "".join(m.group(0) for m in _CODE.finditer(text))
-    if key != _code_key:
-        _code, _code_key = CodeMap(text), key
-    return _code
+    cached = _code.get(pid)
+    if cached is None or cached[0] != key:
+        cached = _code[pid] = (key, CodeMap(text))
+    return cached[1]
 
 
-def read_memory(addr: int, nbytes: int) -> bytes:
-    """Up to `nbytes` of this process's memory at `addr`; b"" where nothing is mapped."""
-    global _mem_fd
-    if _mem_fd is None:
-        _mem_fd = os.open("/proc/self/mem", os.O_RDONLY)
+def read_memory(addr: int, nbytes: int, pid: int | str = "self") -> bytes:
+    """Up to `nbytes` of the process's memory at `addr`; b"" where nothing is mapped."""
+    fd = _mem_fds.get(pid)
+    if fd is None:
+        fd = _mem_fds[pid] = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     try:
-        return os.pread(_mem_fd, nbytes, addr)
+        return os.pread(fd, nbytes, addr)
     except (OSError, OverflowError):
         # a read running into an unmapped page fails whole: retry up to that page's end
         end = (addr | 0xFFF) + 1
         if end - addr >= nbytes:
             return b""
         try:
-            return os.pread(_mem_fd, end - addr, addr)
+            return os.pread(fd, end - addr, addr)
         except (OSError, OverflowError):
             return b""
 
 
-def registers(tid: int) -> tuple[int, int] | None:
-    """(stack pointer, program counter) of a thread of this process blocked in the kernel; None while it runs."""
+def registers(tid: int, pid: int | str = "self") -> tuple[int, int] | None:
+    """(stack pointer, program counter) of a thread blocked in the kernel; None while it runs."""
     try:
-        call = Path(f"/proc/self/task/{tid}/syscall").read_text().split()
+        call = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
     except OSError:
         return None
     if len(call) < 3:  # "running"
@@ -91,15 +92,15 @@ def registers(tid: int) -> tuple[int, int] | None:
     return int(call[-2], 16), int(call[-1], 16)
 
 
-def stack_guess(tid: int, code: CodeMap) -> list[int]:
+def stack_guess(tid: int, code: CodeMap, pid: int | str = "self") -> list[int]:
     """The thread's program counter and the code addresses found on its stack, innermost first, repeats
     folded; empty while the thread runs."""
-    regs = registers(tid)
+    regs = registers(tid, pid)
     if regs is None:
         return []
     sp, pc = regs
     frames = [pc]
-    raw = read_memory(sp & ~7, SCAN_BYTES)
+    raw = read_memory(sp & ~7, SCAN_BYTES, pid)
     for (word,) in struct.iter_unpack("Q", raw[: len(raw) // 8 * 8]):
         if word != frames[-1] and code.find(word) is not None:
             frames.append(word)
@@ -108,11 +109,11 @@ def stack_guess(tid: int, code: CodeMap) -> list[int]:
     return frames
 
 
-def futex_owner(addr: int, tids: set[int]) -> int | None:
+def futex_owner(addr: int, tids: set[int], pid: int | str = "self") -> int | None:
     """The thread holding the pthread mutex whose lock word is at `addr` (glibc keeps the owner's id two ints
     on), if the word looks like a taken mutex and the owner is one of `tids`; None otherwise (a condition
     variable, a semaphore, the GIL's wait)."""
-    raw = read_memory(addr, 12)
+    raw = read_memory(addr, 12, pid)
     if len(raw) < 12:
         return None
     lock, _, owner = struct.unpack("iii", raw)
@@ -142,4 +143,41 @@ def symbolize(addrs, code: CodeMap | None = None) -> dict[str, str]:
             out[f"{addr:#x}"] = f"{row[3]}!{info.dli_sname.decode(errors='replace')[:90]}+{addr - info.dli_saddr:#x}"
         else:
             out[f"{addr:#x}"] = code.where(addr)
+    return out
+
+
+def symbolize_foreign(addrs, maps_text: str) -> dict[str, str]:
+    """Name another process's code addresses (its /proc/PID/maps text given): each library is mapped here too
+    (the same file; loaded if it is not yet) and the address at the same file offset goes to dladdr."""
+    addrs = list(addrs)
+    theirs = CodeMap(maps_text)
+    by_path: dict[str, list[int]] = {}
+    for addr in addrs:
+        row = theirs.find(addr)
+        if row is not None and row[4].startswith("/"):
+            by_path.setdefault(row[4], []).append(addr)
+    ours = code_map()
+    mine = {row[4] for row in ours.rows}
+    for path in by_path:
+        if path not in mine:
+            try:
+                ctypes.CDLL(path, mode=os.RTLD_LAZY | os.RTLD_LOCAL)
+            except OSError:
+                pass
+    ours = code_map()
+    here: dict[int, int] = {}  # their address -> ours
+    for path, addrs_in in by_path.items():
+        rows = [r for r in ours.rows if r[4] == path]
+        for addr in addrs_in:
+            lo, _, off, _, _ = theirs.find(addr)
+            file_off = addr - lo + off
+            for r in rows:
+                if r[2] <= file_off < r[2] + (r[1] - r[0]):
+                    here[addr] = r[0] + file_off - r[2]
+    named = symbolize(here.values(), ours)
+    out = {f"{a:#x}": theirs.where(a) for a in addrs}
+    for theirs_addr, our_addr in here.items():
+        name = named.get(f"{our_addr:#x}")
+        if name is not None:
+            out[f"{theirs_addr:#x}"] = name
     return out

@@ -32,6 +32,7 @@ from radixlm.srt.managers.schedule_policy import SchedulePolicy
 from radixlm.srt.managers.schedule_prefill import schedule_extend
 from radixlm.srt.managers.scheduler_grammar import SchedulerGrammar
 from radixlm.srt.managers.scheduler_output import SchedulerOutputMixin
+from radixlm.srt.managers.phase_board import PhaseBoard
 from radixlm.srt.managers.step_trace import StepTrace
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardMode
@@ -104,6 +105,7 @@ class Scheduler(SchedulerOutputMixin):
         self.stats = SchedulerStats()
         self.last_step: dict = {}
         self.step_trace = StepTrace.from_env()
+        self.phase_board = PhaseBoard.from_env()
         self._outputs: list[TokenOutput] = []
         self.grammar = SchedulerGrammar(args, tokenizer, runner.vocab_size, runner.config.eos_token_ids,
                                         runner.device, self.overlap)
@@ -149,12 +151,14 @@ class Scheduler(SchedulerOutputMixin):
         return bool(self.waiting or self.running or self.chunked or self._outputs or self.inflight)
 
     def step(self) -> list[TokenOutput]:
-        trace = self.step_trace
+        trace, board = self.step_trace, self.phase_board
         phase = trace.phase if trace is not None else _no_phase
         marks: list[tuple[str, float]] = []  # (phase, start): host time by phase for the step's record
 
         def enter(name: str) -> None:
             phase(name)
+            if board is not None:
+                board.enter(name)
             marks.append((name, time.perf_counter()))
 
         enter("schedule")
@@ -198,6 +202,8 @@ class Scheduler(SchedulerOutputMixin):
         end = time.perf_counter()
         t0 = marks[0][1]
         self.stats.busy_seconds += end - t0
+        if board is not None:
+            board.enter(None)
         if not ran:
             phase(None)
             return outputs

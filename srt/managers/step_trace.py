@@ -63,11 +63,12 @@ def _stack(frame) -> list[str]:
     return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
 
 
-def _thread_state(tid: int, others: bool = False) -> dict:
-    """What the kernel says a thread of this process is doing now: state, CPU, system call and its first two
+def thread_state(tid: int, others: bool = False, pid: int | str = "self") -> dict:
+    """What the kernel says a thread of process `pid` is doing now: state, CPU, system call and its first two
     arguments (a futex's address, an ioctl's request), wait channel, kernel stack where readable; with
-    `others`, every other thread's state, system call and CPU too (a lock's holder may be among them)."""
-    base, out = f"/proc/self/task/{tid}", {}
+    `others`, every other thread's state, system call and CPU too (a lock's holder may be among them), and a
+    native stack guess (see _native_state)."""
+    base, out = f"/proc/{pid}/task/{tid}", {}
     try:
         stat = Path(f"{base}/stat").read_text()
         rest = stat[stat.rindex(")") + 2:].split()
@@ -82,39 +83,39 @@ def _thread_state(tid: int, others: bool = False) -> dict:
         pass
     if others:
         out["threads"] = []
-        for other in os.listdir("/proc/self/task"):
+        for other in os.listdir(f"/proc/{pid}/task"):
             if other == str(tid):
                 continue
             try:
-                stat = Path(f"/proc/self/task/{other}/stat").read_text()
+                stat = Path(f"/proc/{pid}/task/{other}/stat").read_text()
                 rest = stat[stat.rindex(")") + 2:].split()
-                call = Path(f"/proc/self/task/{other}/syscall").read_text().split()[0]
+                call = Path(f"/proc/{pid}/task/{other}/syscall").read_text().split()[0]
             except (OSError, IndexError, ValueError):
                 continue
             out["threads"].append([int(other), stat[stat.index("(") + 1:stat.rindex(")")], rest[0], call,
                                    int(rest[36])])
         try:
-            _native_state(tid, out)
+            _native_state(tid, out, pid)
         except (OSError, ValueError, IndexError):
             pass
     return out
 
 
-def _native_state(tid: int, out: dict) -> None:
+def _native_state(tid: int, out: dict, pid: int | str = "self") -> None:
     """Add the stalled thread's native stack guess (raw addresses: named at flush); for a futex, the mutex's
     holder if it is one of ours; and the stacks of threads blocked in the driver (ioctl) or the kernel (D),
     where a lock's holder may wait."""
     from radixlm.srt.managers.native_stack import code_map, futex_owner, stack_guess
 
-    code = code_map()
+    code = code_map(pid)
 
     def guess(t: int, n: int = 20) -> list[str]:
-        return [f"{a:#x}" for a in stack_guess(t, code)[:n]]
+        return [f"{a:#x}" for a in stack_guess(t, code, pid)[:n]]
 
     out["native"] = guess(tid)
     threads = {t[0]: t for t in out["threads"]}
     if out.get("syscall") == "202" and out.get("syscall_args"):
-        owner = futex_owner(int(out["syscall_args"][0], 16), set(threads))
+        owner = futex_owner(int(out["syscall_args"][0], 16), set(threads), pid)
         if owner is not None:
             _, name, state, call, cpu = threads[owner]
             out["futex_owner"] = {"tid": owner, "name": name, "state": state, "syscall": call, "cpu": cpu,
@@ -131,10 +132,10 @@ def native_addresses(stall: dict) -> set[int]:
     return {int(a, 16) for frames in lists for a in frames}
 
 
-def _schedstat(tid: int) -> tuple[int, int] | None:
-    """(ns on a CPU, ns runnable but waiting for one) so far, for a thread of this process."""
+def schedstat(tid: int, pid: int | str = "self") -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for one) so far, for a thread of process `pid`."""
     try:
-        on_cpu, waiting = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:2]
+        on_cpu, waiting = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
         return int(on_cpu), int(waiting)
     except (OSError, ValueError):
         return None
@@ -186,12 +187,12 @@ class StepTrace(_JsonlTrace):
         caught it."""
         stall, before, t = self._pending
         self._pending = None
-        after = _schedstat(self._tid)
+        after = schedstat(self._tid)
         stall["window_ms"] = round((time.perf_counter() - t) * 1e3, 2)
         if before is not None and after is not None:
             stall["on_cpu_ms"] = round((after[0] - before[0]) / 1e6, 2)
             stall["runq_ms"] = round((after[1] - before[1]) / 1e6, 2)
-        stall["cpu_after"] = _thread_state(self._tid).get("cpu")
+        stall["cpu_after"] = thread_state(self._tid).get("cpu")
 
     def _watch(self, thread: int) -> None:
         import threading
@@ -208,7 +209,7 @@ class StepTrace(_JsonlTrace):
             if cur is None or cur is seen or (time.perf_counter() - cur[1]) * 1e3 < self.PHASE_STACK_MS[cur[0]]:
                 continue
             seen = cur  # one stack per phase, taken while it lasts
-            state, before, t = _thread_state(self._tid, others=True), _schedstat(self._tid), time.perf_counter()
+            state, before, t = thread_state(self._tid, others=True), schedstat(self._tid), time.perf_counter()
             frame = sys._current_frames().get(thread)
             if frame is not None:
                 stack = _stack(frame)
