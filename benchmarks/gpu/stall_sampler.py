@@ -27,9 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.itl_tail import stall_summary  # noqa: E402
-from radixlm.srt.managers.native_stack import symbolize_foreign  # noqa: E402
+from radixlm.srt.managers.native_stack import code_map, symbolize_foreign  # noqa: E402
 from radixlm.srt.managers.phase_board import SIZE, read_board  # noqa: E402
-from radixlm.srt.managers.step_trace import StepTrace, native_addresses, schedstat, thread_state  # noqa: E402
+from radixlm.srt.managers.step_trace import (StepTrace, native_addresses, other_threads, schedstat,  # noqa: E402
+                                             thread_state)
 
 POLL_S = 0.0005
 SAMPLES = 3  # per long phase, at least SPACING_MS apart
@@ -50,13 +51,13 @@ def _open_board(path: str, stop) -> mmap.mmap | None:
     return None
 
 
-def sample(board_path: str, stop) -> tuple[int, list[dict], int, str]:
-    """Poll until `stop()`: (server pid, stall records, long phases seen, its mappings as last read)."""
+def sample(board_path: str, stop) -> tuple[int, list[dict], int]:
+    """Poll until `stop()`: (server pid, stall records, long phases seen)."""
     mem = _open_board(board_path, stop)
-    maps = ""
     if mem is None:
-        return 0, [], 0, maps
+        return 0, [], 0
     pid, tid = read_board(mem)[:2]
+    code_map(pid)  # read its code mappings once now: reading them while a phase stalls takes too long
     limits = StepTrace.PHASE_STACK_MS
     records: list[dict] = []
     open_recs: list[tuple[dict, tuple[int, int] | None, int]] = []  # this phase's samples, awaiting its end
@@ -80,18 +81,16 @@ def sample(board_path: str, stop) -> tuple[int, list[dict], int, str]:
         if ms < limits[phase] or (taken and ms - last_ms < SPACING_MS):
             continue
         before, t = schedstat(tid, pid), time.monotonic_ns()
-        rec = {"phase": phase, "seq": seq, "at_ms": round(ms, 2), "sample": taken, **thread_state(tid, True, pid)}
+        rec = {"phase": phase, "seq": seq, "at_ms": round(ms, 2), "sample": taken,
+               **thread_state(tid, pid=pid, native=True)}
         if read_board(mem)[2] != seq:
             continue  # the phase ended while the state was read
+        rec.update(other_threads(tid, pid, native=True))  # may run past the phase: the other threads matter less
         phases += taken == 0
         taken, last_ms = taken + 1, ms
         records.append(rec)
         open_recs.append((rec, before, t))
-        try:  # for naming addresses later, should the server be gone by then
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            pass
-    return pid, records, phases, maps
+    return pid, records, phases
 
 
 def main() -> None:
@@ -102,14 +101,14 @@ def main() -> None:
     stopped = []
     signal.signal(signal.SIGINT, lambda *_: stopped.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
-    pid, records, phases, maps = sample(args.board, lambda: bool(stopped))
-    syms = {}
+    pid, records, phases = sample(args.board, lambda: bool(stopped))
+    syms, maps = {}, None
     if records:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            pass  # the server is gone: its mappings as read at the last stall
-        syms = symbolize_foreign(set().union(*(native_addresses(r) for r in records)), maps)
+            syms = symbolize_foreign(set().union(*(native_addresses(r) for r in records)), maps)
+        except OSError as e:  # the server is gone: the addresses stay raw
+            print(f"stall_sampler: cannot name addresses: {e}", file=sys.stderr)
     first = [r for r in records if r["sample"] == 0]
     out = {"pid": pid, "long_phases": phases, "by_phase": {p: sum(r["phase"] == p for r in first)
                                                            for p in StepTrace.PHASE_STACK_MS},

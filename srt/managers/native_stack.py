@@ -63,6 +63,12 @@ def code_map(pid: int | str = "self") -> CodeMap:
     return cached[1]
 
 
+def cached_code_map(pid: int | str = "self") -> CodeMap:
+    """The code map as last read (read now if never): fast, for use while a stall lasts."""
+    cached = _code.get(pid)
+    return cached[1] if cached is not None else code_map(pid)
+
+
 def read_memory(addr: int, nbytes: int, pid: int | str = "self") -> bytes:
     """Up to `nbytes` of the process's memory at `addr`; b"" where nothing is mapped."""
     fd = _mem_fds.get(pid)

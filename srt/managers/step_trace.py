@@ -63,11 +63,11 @@ def _stack(frame) -> list[str]:
     return [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
 
 
-def thread_state(tid: int, others: bool = False, pid: int | str = "self") -> dict:
+def thread_state(tid: int, others: bool = False, pid: int | str = "self", native: bool = False) -> dict:
     """What the kernel says a thread of process `pid` is doing now: state, CPU, system call and its first two
-    arguments (a futex's address, an ioctl's request), wait channel, kernel stack where readable; with
-    `others`, every other thread's state, system call and CPU too (a lock's holder may be among them), and a
-    native stack guess (see _native_state)."""
+    arguments (a futex's address, an ioctl's request), wait channel, kernel stack where readable; with `native`,
+    a native stack guess and a futex's holder (see _native_state); with `others`, every other thread's state,
+    system call and CPU too (a lock's holder may be among them)."""
     base, out = f"/proc/{pid}/task/{tid}", {}
     try:
         stat = Path(f"{base}/stat").read_text()
@@ -81,48 +81,59 @@ def thread_state(tid: int, others: bool = False, pid: int | str = "self") -> dic
         out["kstack"] = [line.split()[-1] for line in Path(f"{base}/stack").read_text().splitlines()[:4]]
     except (OSError, IndexError, ValueError):
         pass
-    if others:
-        out["threads"] = []
-        for other in os.listdir(f"/proc/{pid}/task"):
-            if other == str(tid):
-                continue
-            try:
-                stat = Path(f"/proc/{pid}/task/{other}/stat").read_text()
-                rest = stat[stat.rindex(")") + 2:].split()
-                call = Path(f"/proc/{pid}/task/{other}/syscall").read_text().split()[0]
-            except (OSError, IndexError, ValueError):
-                continue
-            out["threads"].append([int(other), stat[stat.index("(") + 1:stat.rindex(")")], rest[0], call,
-                                   int(rest[36])])
+    if native:
         try:
             _native_state(tid, out, pid)
         except (OSError, ValueError, IndexError):
             pass
+    if others:
+        out.update(other_threads(tid, pid, native))
+    return out
+
+
+def _thread_row(pid: int | str, tid: int | str) -> list | None:
+    """[tid, name, state, system call, cpu] of one thread, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        rest = stat[stat.rindex(")") + 2:].split()
+        call = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()[0]
+    except (OSError, IndexError, ValueError):
+        return None
+    return [int(tid), stat[stat.index("(") + 1:stat.rindex(")")], rest[0], call, int(rest[36])]
+
+
+def other_threads(tid: int, pid: int | str = "self", native: bool = False) -> dict:
+    """`threads`: every other thread of the process as [tid, name, state, system call, cpu]; with `native`,
+    `blocked_native`: the stack guesses of those blocked in the driver (ioctl) or the kernel (D), where a
+    lock's holder may wait."""
+    rows = [r for t in os.listdir(f"/proc/{pid}/task") if t != str(tid) and (r := _thread_row(pid, t))]
+    out: dict = {"threads": rows}
+    blocked = [r for r in rows if r[2] == "D" or r[3] == "16"][:4]
+    if native and blocked:
+        from radixlm.srt.managers.native_stack import cached_code_map, stack_guess
+
+        code = cached_code_map(pid)
+        out["blocked_native"] = {f"{r[0]} {r[1]} {r[3]}": [f"{a:#x}" for a in stack_guess(r[0], code, pid)[:12]]
+                                 for r in blocked}
     return out
 
 
 def _native_state(tid: int, out: dict, pid: int | str = "self") -> None:
-    """Add the stalled thread's native stack guess (raw addresses: named at flush); for a futex, the mutex's
-    holder if it is one of ours; and the stacks of threads blocked in the driver (ioctl) or the kernel (D),
-    where a lock's holder may wait."""
-    from radixlm.srt.managers.native_stack import code_map, futex_owner, stack_guess
+    """Add the thread's native stack guess (raw addresses, named later: see native_stack) and, for a futex,
+    the mutex's holder if it is a thread of the same process, with its state and stack guess. Uses the code
+    map as last read: reading a CUDA process's mappings can take longer than the stall it would explain."""
+    from radixlm.srt.managers.native_stack import cached_code_map, futex_owner, stack_guess
 
-    code = code_map(pid)
-
-    def guess(t: int, n: int = 20) -> list[str]:
-        return [f"{a:#x}" for a in stack_guess(t, code, pid)[:n]]
-
-    out["native"] = guess(tid)
-    threads = {t[0]: t for t in out["threads"]}
+    code = cached_code_map(pid)
+    out["native"] = [f"{a:#x}" for a in stack_guess(tid, code, pid)]
     if out.get("syscall") == "202" and out.get("syscall_args"):
-        owner = futex_owner(int(out["syscall_args"][0], 16), set(threads), pid)
-        if owner is not None:
-            _, name, state, call, cpu = threads[owner]
+        tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+        owner = futex_owner(int(out["syscall_args"][0], 16), tids, pid)
+        row = _thread_row(pid, owner) if owner is not None else None
+        if row is not None:
+            _, name, state, call, cpu = row
             out["futex_owner"] = {"tid": owner, "name": name, "state": state, "syscall": call, "cpu": cpu,
-                                  "native": guess(owner)}
-    blocked = [t for t in threads.values() if t[2] == "D" or t[3] == "16"][:4]
-    if blocked:
-        out["blocked_native"] = {f"{t[0]} {t[1]} {t[3]}": guess(t[0], 12) for t in blocked}
+                                  "native": [f"{a:#x}" for a in stack_guess(owner, code, pid)]}
 
 
 def native_addresses(stall: dict) -> set[int]:
@@ -198,6 +209,9 @@ class StepTrace(_JsonlTrace):
         import threading
 
         self.watcher_tid = threading.get_native_id()
+        from radixlm.srt.managers.native_stack import code_map
+
+        code_map()  # read the mappings now, not in the first stall (refreshed at each flush)
         seen = None
         while True:
             t = time.perf_counter()
@@ -209,7 +223,7 @@ class StepTrace(_JsonlTrace):
             if cur is None or cur is seen or (time.perf_counter() - cur[1]) * 1e3 < self.PHASE_STACK_MS[cur[0]]:
                 continue
             seen = cur  # one stack per phase, taken while it lasts
-            state, before, t = thread_state(self._tid, others=True), schedstat(self._tid), time.perf_counter()
+            state, before, t = thread_state(self._tid, True, native=True), schedstat(self._tid), time.perf_counter()
             frame = sys._current_frames().get(thread)
             if frame is not None:
                 stack = _stack(frame)

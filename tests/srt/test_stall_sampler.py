@@ -37,7 +37,7 @@ libc.pthread_mutex_lock(mutex); libc.pthread_mutex_unlock(mutex)
 board.enter(None)
 quick(50)
 print(tids["holder"], flush=True)
-time.sleep(0.3)
+sys.stdin.read()  # alive until the sampler is done (it names addresses from this process's mappings)
 """
 
 
@@ -45,15 +45,18 @@ def test_sampler_catches_a_phase_stuck_on_a_mutex(tmp_path):
     board, out = tmp_path / "board", tmp_path / "stalls.json"
     sampler = subprocess.Popen([sys.executable, str(ROOT / "benchmarks/gpu/stall_sampler.py"), str(board),
                                 str(out)], env=ENV, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(board)], env=ENV, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        child = subprocess.run([sys.executable, "-c", CHILD, str(board)], env=ENV, capture_output=True, text=True,
-                               timeout=60)
-        assert child.returncode == 0, child.stderr
-        holder = int(child.stdout.split()[-1])
-    finally:
+        line = child.stdout.readline()
+        assert line.strip(), child.stderr.read()
+        holder = int(line)
         time.sleep(0.1)
+    finally:
         sampler.send_signal(signal.SIGINT)
         sampler.wait(60)
+        child.communicate("", timeout=60)
+    assert child.returncode == 0
     got = json.loads(out.read_text())
     assert got["long_phases"] == 1 and got["by_phase"]["sample"] == 1  # the quick phases are not caught
     first = [r for r in got["records"] if r["sample"] == 0]

@@ -221,7 +221,7 @@ def test_a_thread_stalled_on_a_mutex_names_its_holder_and_native_stacks(tmp_path
                 "waiter" in tids and open(f"/proc/self/task/{tids['waiter']}/syscall").read().startswith("202")):
             time.sleep(0.001)
         t = time.perf_counter()
-        state = thread_state(tids["waiter"], others=True)
+        state = thread_state(tids["waiter"], others=True, native=True)
         took = time.perf_counter() - t
     finally:
         release.set()
