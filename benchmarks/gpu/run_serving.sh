@@ -35,6 +35,11 @@ for n in $(seq ${C32_RUNS:-1}); do
     want c32 || break
     sfx=$([ $n = 1 ] || echo _$n)
     python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32$sfx.json" & PROBE=$!
+    # HICCUP=9:10: spinners on those CPUs note every gap in their own running (hiccup.py), beside the run
+    HIC=""
+    if [ -n "${HICCUP:-}" ]; then
+        python benchmarks/gpu/hiccup.py --cpus ${HICCUP//:/,} --out "$OUT/hiccup_c32$sfx.json" & HIC=$!
+    fi
     SAMPLER=""
     if [ "${STALLS:-0}" = 1 ]; then
         python benchmarks/gpu/stall_sampler.py $RADIXLM_PHASE_BOARD "$OUT/stalls_c32$sfx.json" & SAMPLER=$!
@@ -49,6 +54,7 @@ for n in $(seq ${C32_RUNS:-1}); do
         --seed $((n - 1)) $CT $NG > /dev/null  # new prompts each run: no prefix cache hits from the last
     [ -n "$LOAD" ] && { kill -INT $LOAD 2> /dev/null; wait $LOAD; }
     kill -INT $PROBE; wait $PROBE
+    [ -n "$HIC" ] && { kill -INT $HIC; wait $HIC; }
     if [ -n "$SAMPLER" ]; then
         kill -INT $SAMPLER; wait $SAMPLER
         python - "$OUT/stalls_c32$sfx.json" <<'PY'
