@@ -6,7 +6,8 @@
 The server's scheduler writes its current phase and when it began to the board (srt/managers/phase_board.py).
 This process polls it every half millisecond; once a phase has run past its usual length (as the step trace's
 watcher judges it) it reads the scheduler thread's state, system call, native stack guess and, for a futex, the
-mutex's holder, plus every other thread's state, up to SAMPLES times while the phase lasts, and when the phase
+mutex's holder (a thread running on a CPU is stopped with ptrace for some tens of microseconds to read its
+registers), plus every other thread's state, up to SAMPLES times while the phase lasts, and when the phase
 ends how much of the time since was spent on a CPU or queued for one. Unlike the step trace's watcher it takes
 nothing from the scheduler (no GIL, no thread of its own there), so it works with the trace off and cannot be
 the cause of what it measures. On SIGINT it names the code addresses (the same libraries, mapped here) and
@@ -27,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.itl_tail import stall_summary  # noqa: E402
-from radixlm.srt.managers.native_stack import code_map, symbolize_foreign  # noqa: E402
+from radixlm.srt.managers.native_stack import (cached_code_map, code_map, interrupt_registers,  # noqa: E402
+                                               stack_guess, symbolize_foreign)
 from radixlm.srt.managers.phase_board import SIZE, read_board  # noqa: E402
 from radixlm.srt.managers.step_trace import (StepTrace, native_addresses, other_threads, schedstat,  # noqa: E402
                                              thread_state)
@@ -51,7 +53,7 @@ def _open_board(path: str, stop) -> mmap.mmap | None:
     return None
 
 
-def sample(board_path: str, stop) -> tuple[int, list[dict], int]:
+def sample(board_path: str, stop, interrupt: bool = True) -> tuple[int, list[dict], int]:
     """Poll until `stop()`: (server pid, stall records, long phases seen)."""
     mem = _open_board(board_path, stop)
     if mem is None:
@@ -83,6 +85,11 @@ def sample(board_path: str, stop) -> tuple[int, list[dict], int]:
         before, t = schedstat(tid, pid), time.monotonic_ns()
         rec = {"phase": phase, "seq": seq, "at_ms": round(ms, 2), "sample": taken,
                **thread_state(tid, pid=pid, native=True)}
+        if rec.get("syscall") == "running" and interrupt:  # running: stop it briefly for its registers
+            regs = interrupt_registers(tid)
+            if regs is not None:
+                rec["native"] = [f"{a:#x}" for a in stack_guess(tid, cached_code_map(pid), pid, regs)]
+                rec["interrupted"] = True
         if read_board(mem)[2] != seq:
             continue  # the phase ended while the state was read
         rec.update(other_threads(tid, pid, native=True))  # may run past the phase: the other threads matter less
@@ -97,11 +104,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("board")
     ap.add_argument("out")
+    ap.add_argument("--no-interrupt", action="store_true",
+                    help="never stop a running scheduler thread (ptrace) to read its registers")
     args = ap.parse_args()
     stopped = []
     signal.signal(signal.SIGINT, lambda *_: stopped.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
-    pid, records, phases = sample(args.board, lambda: bool(stopped))
+    pid, records, phases = sample(args.board, lambda: bool(stopped), not args.no_interrupt)
     syms, maps = {}, None
     if records:
         try:

@@ -98,10 +98,10 @@ def registers(tid: int, pid: int | str = "self") -> tuple[int, int] | None:
     return int(call[-2], 16), int(call[-1], 16)
 
 
-def stack_guess(tid: int, code: CodeMap, pid: int | str = "self") -> list[int]:
+def stack_guess(tid: int, code: CodeMap, pid: int | str = "self", regs: tuple[int, int] | None = None) -> list[int]:
     """The thread's program counter and the code addresses found on its stack, innermost first, repeats
-    folded; empty while the thread runs."""
-    regs = registers(tid, pid)
+    folded; empty while the thread runs (unless `regs`, its stack pointer and program counter, are given)."""
+    regs = regs or registers(tid, pid)
     if regs is None:
         return []
     sp, pc = regs
@@ -187,3 +187,33 @@ def symbolize_foreign(addrs, maps_text: str) -> dict[str, str]:
         if name is not None:
             out[f"{theirs_addr:#x}"] = name
     return out
+
+
+_PTRACE_GETREGS, _PTRACE_DETACH, _PTRACE_SEIZE, _PTRACE_INTERRUPT = 12, 17, 0x4206, 0x4207
+_WALL = 0x40000000
+_RIP, _RSP = 16, 19  # in x86-64's user_regs_struct (27 unsigned longs)
+
+
+def interrupt_registers(tid: int) -> tuple[int, int] | None:
+    """(stack pointer, program counter) of a thread of another process while it runs: attach with ptrace,
+    stop it for the registers (tens of microseconds), let it go. None where ptrace is refused or not x86-64.
+    The thread is attached only for this, so no signal of its waits on us afterwards."""
+    if os.uname().machine != "x86_64":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    if libc.ptrace(_PTRACE_SEIZE, tid, None, None) != 0:
+        return None
+    try:
+        if libc.ptrace(_PTRACE_INTERRUPT, tid, None, None) != 0:
+            return None
+        os.waitpid(tid, _WALL)
+        regs = (ctypes.c_ulong * 27)()
+        if libc.ptrace(_PTRACE_GETREGS, tid, None, ctypes.byref(regs)) != 0:
+            return None
+        return regs[_RSP], regs[_RIP]
+    except ChildProcessError:
+        return None
+    finally:
+        libc.ptrace(_PTRACE_DETACH, tid, None, None)

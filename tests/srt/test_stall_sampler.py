@@ -12,7 +12,8 @@ from tests.conftest import ROOT
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 # A stand-in for the scheduler: quick phases, then a `sample` phase stuck on a mutex a second thread holds for
-# 0.3 s, then quick phases again. It prints the holder's thread id.
+# 0.3 s, quick phases, a `forward` phase that computes for 0.3 s, quick phases again. It prints the holder's
+# thread id.
 CHILD = r"""
 import ctypes, sys, threading, time
 from radixlm.srt.managers.phase_board import PhaseBoard
@@ -34,6 +35,12 @@ quick(50)
 t = threading.Thread(target=hold); t.start(); held.wait()
 board.enter("sample")
 libc.pthread_mutex_lock(mutex); libc.pthread_mutex_unlock(mutex)
+board.enter(None)
+quick(50)
+board.enter("forward")
+end = time.monotonic() + 0.3
+while time.monotonic() < end:
+    sum(range(1000))
 board.enter(None)
 quick(50)
 print(tids["holder"], flush=True)
@@ -58,13 +65,19 @@ def test_sampler_catches_a_phase_stuck_on_a_mutex(tmp_path):
         child.communicate("", timeout=60)
     assert child.returncode == 0
     got = json.loads(out.read_text())
-    assert got["long_phases"] == 1 and got["by_phase"]["sample"] == 1  # the quick phases are not caught
-    first = [r for r in got["records"] if r["sample"] == 0]
-    assert len(first) == 1 and 2 <= len(got["records"]) <= 3  # up to three looks while it lasts
-    rec = first[0]
+    assert got["long_phases"] == 2 and got["by_phase"]["sample"] == got["by_phase"]["forward"] == 1  # not quick ones
+    first = {r["phase"]: r for r in got["records"] if r["sample"] == 0}
+    assert len(first) == 2 and 4 <= len(got["records"]) <= 6  # up to three looks while each lasts
+    rec = first["sample"]
     assert rec["phase"] == "sample" and rec["syscall"] == "202" and rec["state"] == "S"
     assert rec["futex_owner"]["tid"] == holder
     assert rec["window_ms"] > 100 and rec["on_cpu_ms"] < rec["window_ms"] / 2  # asleep, not working
     summary = got["summary_first_samples"]
     assert any("pthread_mutex_lock" in stack for stack in summary["native_stacks"])
     assert summary["futex_owners"] and summary["after_caught_ms"]["off_cpu"] > 100
+    # Computing: on a CPU, in no system call; stopped for an instant (ptrace) to read where it runs.
+    busy = first["forward"]
+    assert busy["state"] == "R" and busy["syscall"] == "running" and busy["interrupted"]
+    assert busy["on_cpu_ms"] > busy["window_ms"] / 2
+    names = [got["syms"].get(a, a) for a in busy["native"]]
+    assert any("python" in n.lower() for n in names[:3]), names
