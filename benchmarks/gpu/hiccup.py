@@ -1,6 +1,8 @@
 """Does the machine take CPUs away from running threads? One spinning process per given CPU reads the clock in a
 tight loop and notes every gap over GAP_MS: time the vCPU was not running it although it never yielded
-(hypervisor preemption the guest may not report as steal, or interrupts and softirqs on that CPU).
+(hypervisor preemption the guest may not report as steal, or interrupts and softirqs on that CPU), and every
+WINDOW_MS window in which it got through under SLOW of its median number of loops (a CPU slowed down: a busy
+sibling thread on its core, memory contention).
 
     python benchmarks/gpu/hiccup.py --cpus 9,10 --out OUT.json &   # ... run the workload ...; kill -INT $!
 
@@ -17,27 +19,37 @@ import signal
 import time
 
 GAP_MS = 1.0
+WINDOW_MS = 5.0  # it also counts its loop iterations per window: a CPU slowed, not taken away, shows there
+SLOW = 0.6  # a window under this share of the median rate is slow
 
 
 def spin(cpu: int, stop, out) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us through `stop`
     os.sched_setaffinity(0, {cpu})
     gaps: list[tuple[float, float]] = []
+    windows: list[tuple[float, int]] = []  # (start, loop iterations) per WINDOW_MS: how fast it ran
     clock = time.perf_counter
-    start = last = clock()
-    n = 0
+    start = last = window = clock()
+    n = done = 0
     while True:
         t = clock()
         if t - last > GAP_MS / 1e3:
             gaps.append((round(last, 6), round((t - last) * 1e3, 3)))
+        if t - window > WINDOW_MS / 1e3:
+            windows.append((window, n - done))
+            window, done = t, n
         last = t
         n += 1
         if n % 65536 == 0 and stop.is_set():
             break
     ms = [g for _, g in gaps]
+    rates = sorted(c for _, c in windows)
+    median = rates[len(rates) // 2] if rates else 0
+    slow = [(round(w, 6), round(c / median, 2)) for w, c in windows if median and c < SLOW * median]
     out.put({"cpu": cpu, "seconds": round(last - start, 2), "gaps": len(ms), "gap_ms_total": round(sum(ms), 1),
              "over_5ms": sum(g > 5 for g in ms), "over_10ms": sum(g > 10 for g in ms),
-             "max_ms": max(ms, default=0.0), "longest": sorted(gaps, key=lambda g: -g[1])[:10]})
+             "max_ms": max(ms, default=0.0), "longest": sorted(gaps, key=lambda g: -g[1])[:10],
+             "windows": len(windows), "slow_windows": len(slow), "slow": slow[:200]})
 
 
 def main() -> None:
@@ -63,7 +75,8 @@ def main() -> None:
         p.join(5)
     with open(args.out, "w") as f:
         json.dump({"gap_ms": GAP_MS, "cpus": results}, f, indent=1)
-    print("hiccup:", [(r["cpu"], r["gaps"], r["over_5ms"], r["over_10ms"], r["max_ms"]) for r in results])
+    print("hiccup (cpu, gaps, >5 ms, >10 ms, max ms, slow windows):",
+          [(r["cpu"], r["gaps"], r["over_5ms"], r["over_10ms"], r["max_ms"], r["slow_windows"]) for r in results])
 
 
 if __name__ == "__main__":

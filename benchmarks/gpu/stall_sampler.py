@@ -83,7 +83,7 @@ def sample(board_path: str, stop, interrupt: bool = True) -> tuple[int, list[dic
         if ms < limits[phase] or (taken and ms - last_ms < SPACING_MS):
             continue
         before, t = schedstat(tid, pid), time.monotonic_ns()
-        rec = {"phase": phase, "seq": seq, "at_ms": round(ms, 2), "sample": taken,
+        rec = {"phase": phase, "seq": seq, "t": round(start / 1e9, 6), "at_ms": round(ms, 2), "sample": taken,
                **thread_state(tid, pid=pid, native=True)}
         if rec.get("syscall") == "running" and interrupt:  # running: stop it briefly for its registers
             regs = interrupt_registers(tid)
