@@ -180,7 +180,7 @@ if stage tailab; then  # c32 tail per server setting, servers alternating (TAILA
       env C32_RUNS=${C32_RUNS:-2} TRACE=${TAILAB_TRACE:-1} $envs EXTRA="${SERVE_EXTRA:---attention-backend triton \
         --enable-mixed-chunk --chunked-prefill-size 256}$flags" WORKLOADS=c32 timeout $(left) \
         bash benchmarks/gpu/run_serving.sh $TOK /tmp/r/serving/tailab_$mode$r 2>&1 \
-        | grep "random-c32\|CPU guard\|stalls:\|^  [a-z_]* [0-9]\|hiccup:"
+        | grep "random-c32\|CPU guard\|stalls:\|^  [a-z_]* [0-9]\|hiccup"
       grep -h "moved off\|pinned to" /tmp/r/serving/tailab_$mode$r/server.log | cut -c1-200
       pack serving
     done

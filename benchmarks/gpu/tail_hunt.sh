@@ -7,7 +7,7 @@
 set -u
 source .gpu-bundle/activate
 DEST=$1
-SHOW="==|random-c32|guard|moved|pinned|done|stalls:|^  [a-z_]+ [0-9]|hiccup:"  # the lines worth reading
+SHOW="==|random-c32|guard|moved|pinned|done|stalls:|^  [a-z_]+ [0-9]|hiccup"  # the lines worth reading
 export FI_BUILD=0 TAILAB_ROUNDS=1 C32_RUNS=${C32_RUNS:-2}
 TAILAB_MODES="${PROBE_MODE:-probe:STALLS=1,TRACE=0}" BUDGET=${PROBE_BUDGET:-200} \
   bash benchmarks/gpu/run_fastpath.sh "$DEST" tailab 2>&1 | grep -E "$SHOW"
