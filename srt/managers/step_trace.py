@@ -162,7 +162,10 @@ class StepTrace(_JsonlTrace):
     S sleeping, D in uninterruptible wait), the system call it is in and the kernel function it waits in, and,
     over the rest of the phase, how long it was on a CPU and how long runnable but waiting for one. A stall
     spent on a CPU is work (ours, or the kernel's on our behalf: page faults, NUMA scanning); one spent waiting
-    for a CPU is contention; one spent in neither is a wait (a lock, the driver, the device)."""
+    for a CPU is contention; one spent in neither is a wait (a lock, the driver, the device).
+
+    The watcher needs the GIL to look, so the scheduler thread may be caught waiting for the watcher itself:
+    for an observer that takes nothing from this process, see benchmarks/gpu/stall_sampler.py."""
 
     PHASE_STACK_MS = {"schedule": 3.0, "forward": 3.0, "process": 14.0, "sample": 3.0}
     SAMPLE_S = 0.002
