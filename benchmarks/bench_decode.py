@@ -92,6 +92,9 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         sampling_params = radixlm.SamplingParams(temperature=0)
         return_logprob, top_logprobs_num, output_ids, stop_token_ids, seed = False, 0, [], frozenset(), 0
 
+        def produced(self) -> int:
+            return 0
+
     info = sampling_info([_Req()] * bs, r.vocab_size, r.device)
 
     def served():
