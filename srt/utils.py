@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import signal
+from pathlib import Path
 
 
 def configure_logging(level: str, prefix: str = "") -> None:
@@ -36,6 +37,14 @@ def freeze_startup_objects() -> None:
     every stream's next chunk, for as long as the walk takes."""
     gc.collect()
     gc.freeze()
+
+
+def read_proc_stat(path: str) -> tuple[str, list[str]]:
+    """(command name, the fields after it) of a /proc/.../stat file. The name may hold spaces and parentheses,
+    so it ends at the last ")". fields[0] is the state (stat's field 3), fields[36] the CPU it last ran on
+    (field 39). OSError once the process or thread is gone."""
+    stat = Path(path).read_text()
+    return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
 
 
 def parent_alive(parent_pid: int) -> bool:

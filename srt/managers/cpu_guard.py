@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from radixlm.srt.utils import read_proc_stat
+
 logger = logging.getLogger(__name__)
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -53,8 +55,7 @@ def read_lost_ticks() -> dict[int, tuple[int, int]]:
 def current_cpu() -> int | None:
     """The CPU the calling thread last ran on (field 39 of its stat)."""
     try:
-        stat = Path("/proc/thread-self/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[36])
+        return int(read_proc_stat("/proc/thread-self/stat")[1][36])
     except (OSError, ValueError, IndexError):
         return None
 

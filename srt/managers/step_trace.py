@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from radixlm.srt.utils import read_proc_stat
+
 
 def trace_path(kind: str) -> Path | None:
     """Where process `kind` writes its trace, from RADIXLM_STEP_TRACE (a directory: one file per process; a
@@ -68,22 +70,22 @@ def thread_state(tid: int, others: bool = False, pid: int | str = "self", native
     arguments (a futex's address, an ioctl's request), wait channel, kernel stack where readable; with `native`,
     a native stack guess and a futex's holder (see _native_state); with `others`, every other thread's state,
     system call and CPU too (a lock's holder may be among them)."""
-    base, out = f"/proc/{pid}/task/{tid}", {}
+    base, out, regs = f"/proc/{pid}/task/{tid}", {}, None
     try:
-        stat = Path(f"{base}/stat").read_text()
-        rest = stat[stat.rindex(")") + 2:].split()
+        rest = read_proc_stat(f"{base}/stat")[1]
         out["state"], out["cpu"] = rest[0], int(rest[36])  # stat's fields 3 and 39
         call = Path(f"{base}/syscall").read_text().split()
         out["syscall"] = call[0]  # a number, or "running"
         if len(call) > 2:
             out["syscall_args"] = call[1:3]
+            regs = int(call[-2], 16), int(call[-1], 16)  # stack pointer, program counter
         out["wchan"] = Path(f"{base}/wchan").read_text().strip() or "-"
         out["kstack"] = [line.split()[-1] for line in Path(f"{base}/stack").read_text().splitlines()[:4]]
     except (OSError, IndexError, ValueError):
         pass
     if native:
         try:
-            _native_state(tid, out, pid)
+            _native_state(tid, out, pid, regs)
         except (OSError, ValueError, IndexError):
             pass
     if others:
@@ -94,12 +96,11 @@ def thread_state(tid: int, others: bool = False, pid: int | str = "self", native
 def _thread_row(pid: int | str, tid: int | str) -> list | None:
     """[tid, name, state, system call, cpu] of one thread, or None once it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        rest = stat[stat.rindex(")") + 2:].split()
+        name, rest = read_proc_stat(f"/proc/{pid}/task/{tid}/stat")
         call = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()[0]
     except (OSError, IndexError, ValueError):
         return None
-    return [int(tid), stat[stat.index("(") + 1:stat.rindex(")")], rest[0], call, int(rest[36])]
+    return [int(tid), name, rest[0], call, int(rest[36])]
 
 
 def other_threads(tid: int, pid: int | str = "self", native: bool = False) -> dict:
@@ -118,14 +119,15 @@ def other_threads(tid: int, pid: int | str = "self", native: bool = False) -> di
     return out
 
 
-def _native_state(tid: int, out: dict, pid: int | str = "self") -> None:
-    """Add the thread's native stack guess (raw addresses, named later: see native_stack) and, for a futex,
-    the mutex's holder if it is a thread of the same process, with its state and stack guess. Uses the code
-    map as last read: reading a CUDA process's mappings can take longer than the stall it would explain."""
+def _native_state(tid: int, out: dict, pid: int | str = "self", regs: tuple[int, int] | None = None) -> None:
+    """Add the thread's native stack guess (raw addresses, named later: see native_stack; `regs` as its
+    system call file gave them, if read already) and, for a futex, the mutex's holder if it is a thread of the
+    same process, with its state and stack guess. Uses the code map as last read: reading a CUDA process's
+    mappings can take longer than the stall it would explain."""
     from radixlm.srt.managers.native_stack import cached_code_map, futex_owner, stack_guess
 
     code = cached_code_map(pid)
-    out["native"] = [f"{a:#x}" for a in stack_guess(tid, code, pid)]
+    out["native"] = [f"{a:#x}" for a in stack_guess(tid, code, pid, regs)]
     if out.get("syscall") == "202" and out.get("syscall_args"):
         tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
         owner = futex_owner(int(out["syscall_args"][0], 16), tids, pid)
