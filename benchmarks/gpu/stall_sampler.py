@@ -33,6 +33,7 @@ from radixlm.srt.managers.native_stack import (cached_code_map, code_map, interr
 from radixlm.srt.managers.phase_board import SIZE, read_board  # noqa: E402
 from radixlm.srt.managers.step_trace import (StepTrace, native_addresses, other_threads, schedstat,  # noqa: E402
                                              thread_state)
+from radixlm.srt.utils import read_proc_stat  # noqa: E402
 
 POLL_S = 0.0005
 SAMPLES = 3  # per long phase, at least SPACING_MS apart
@@ -75,7 +76,10 @@ def sample(board_path: str, stop, interrupt: bool = True) -> tuple[int, list[dic
                 if before is not None and after is not None:
                     rec["on_cpu_ms"] = round((after[0] - before[0]) / 1e6, 2)
                     rec["runq_ms"] = round((after[1] - before[1]) / 1e6, 2)
-                rec["cpu_after"] = thread_state(tid, pid=pid).get("cpu")
+                try:
+                    rec["cpu_after"] = int(read_proc_stat(f"/proc/{pid}/task/{tid}/stat")[1][36])
+                except OSError:
+                    pass  # the server is gone
             open_recs, cur_seq, taken = [], seq, 0
         if phase is None or taken >= SAMPLES:
             continue

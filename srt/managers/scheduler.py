@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from radixlm.srt.managers.io_struct import TokenOutput
+from radixlm.srt.managers.phase_board import PhaseBoard
 from radixlm.srt.managers.req import Req
 from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.managers.schedule_batch import ScheduledBatch, build_decode, build_extend, sampling_info
@@ -32,7 +33,6 @@ from radixlm.srt.managers.schedule_policy import SchedulePolicy
 from radixlm.srt.managers.schedule_prefill import schedule_extend
 from radixlm.srt.managers.scheduler_grammar import SchedulerGrammar
 from radixlm.srt.managers.scheduler_output import SchedulerOutputMixin
-from radixlm.srt.managers.phase_board import PhaseBoard
 from radixlm.srt.managers.step_trace import StepTrace
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
 from radixlm.srt.model_executor.forward_batch import ForwardMode

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from radixlm.srt.managers.cpu_guard import current_cpu
 from radixlm.srt.utils import read_proc_stat
 
 
@@ -208,7 +209,7 @@ class StepTrace(_JsonlTrace):
         if before is not None and after is not None:
             stall["on_cpu_ms"] = round((after[0] - before[0]) / 1e6, 2)
             stall["runq_ms"] = round((after[1] - before[1]) / 1e6, 2)
-        stall["cpu_after"] = thread_state(self._tid).get("cpu")
+        stall["cpu_after"] = current_cpu()  # this is the scheduler thread
 
     def _watch(self, thread: int) -> None:
         import threading
