@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import os
 import re
 import struct
@@ -131,13 +132,22 @@ class _DlInfo(ctypes.Structure):
                 ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """This process's C library, with the prototypes of the calls used here."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    libc.dladdr.restype = ctypes.c_int
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    return libc
+
+
 def symbolize(addrs, code: CodeMap | None = None) -> dict[str, str]:
     """{hex address: `lib!symbol+0xoff` where an exported name is near, else `lib+0xoffset`} (dladdr: slow,
     takes the loader lock; for a quiet moment)."""
     code = code or code_map()
-    dladdr = ctypes.CDLL(None).dladdr
-    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-    dladdr.restype = ctypes.c_int
+    dladdr = _libc().dladdr
     out = {}
     for addr in addrs:
         row = code.find(addr)
@@ -200,9 +210,7 @@ def interrupt_registers(tid: int) -> tuple[int, int] | None:
     The thread is attached only for this, so no signal of its waits on us afterwards."""
     if os.uname().machine != "x86_64":
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-    libc.ptrace.restype = ctypes.c_long
+    libc = _libc()
     if libc.ptrace(_PTRACE_SEIZE, tid, None, None) != 0:
         return None
     try:
