@@ -45,9 +45,14 @@ def lost_ticks(stat: str) -> dict[int, tuple[int, int]]:
     return out
 
 
-def read_lost_ticks() -> dict[int, tuple[int, int]]:
+def _read_proc_stat() -> str:
+    return Path("/proc/stat").read_text()
+
+
+def read_lost_ticks(read_stat=_read_proc_stat) -> dict[int, tuple[int, int]]:
+    """lost_ticks of /proc/stat as `read_stat` gives it now; {} where it cannot be read."""
     try:
-        return lost_ticks(Path("/proc/stat").read_text())
+        return lost_ticks(read_stat())
     except OSError:
         return {}
 
@@ -69,7 +74,7 @@ class CpuGuard:
     HOT = 0.03  # share of a window lost on the thread's CPU that makes it move
     QUIET = 0.015  # share a CPU may lose and still be one it moves to
 
-    def __init__(self, label: str, read_stat=lambda: Path("/proc/stat").read_text(), where=current_cpu,
+    def __init__(self, label: str, read_stat=_read_proc_stat, where=current_cpu,
                  set_affinity=os.sched_setaffinity, since: dict[int, tuple[int, int]] | None = None):
         self.label = label
         self._read, self._where, self._set = read_stat, where, set_affinity
@@ -80,10 +85,7 @@ class CpuGuard:
         self._due = 0.0 if since else time.monotonic() + self.CHECK_S
 
     def sample(self) -> dict[int, tuple[int, int]]:
-        try:
-            return lost_ticks(self._read())
-        except OSError:
-            return {}
+        return read_lost_ticks(self._read)
 
     def tick(self) -> None:
         now = time.monotonic()

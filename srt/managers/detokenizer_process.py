@@ -10,9 +10,9 @@ import traceback
 import msgspec
 import zmq
 
+from radixlm.srt.managers.cpu_guard import CpuGuard, read_lost_ticks
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput
-from radixlm.srt.managers.cpu_guard import CpuGuard, read_lost_ticks
 from radixlm.srt.managers.step_trace import ProcessTrace
 from radixlm.srt.model_loader.hf_loader import load_tokenizer
 from radixlm.srt.utils import configure_logging, die_with_parent, freeze_startup_objects, parent_alive
