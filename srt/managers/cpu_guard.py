@@ -126,7 +126,8 @@ class CpuGuard:
 
 def guard_wanted(scheduler_cpus: str, device: str) -> bool:
     """Whether the server's loops guard their CPUs: `--scheduler-cpus auto` on a CUDA device (on a CPU device
-    the forward's own threads use every core and placement is theirs)."""
+    the forward's own threads use every core and placement is theirs). `device`: as given ("auto" asks torch)
+    or as resolved ("cuda:0")."""
     if scheduler_cpus != "auto":
         return False
     if device == "auto":

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from radixlm.srt.errors import RadixLMError
-from radixlm.srt.managers.cpu_guard import CpuGuard, cpu_list, read_lost_ticks
+from radixlm.srt.managers.cpu_guard import CpuGuard, cpu_list, guard_wanted, read_lost_ticks
 from radixlm.srt.managers.io_struct import (AbortReq, BatchTokenOutput, ControlReq, ControlResp, GenerateReq,
                                             SchedulerIn, TokenOutput)
 from radixlm.srt.managers.req import Req
@@ -53,7 +53,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         sys.exit(1)
     loop = SchedulerLoop(scheduler, loaded, endpoints, parent_pid)
-    if args.scheduler_cpus == "auto" and runner.device.type == "cuda":
+    if guard_wanted(args.scheduler_cpus, str(runner.device)):
         # the loop stalls the device whenever it loses its CPU (on CPU only the forward's own threads matter)
         loop.cpu_guard = CpuGuard("scheduler", since=started)
     ready.send({"status": "ready", "context_length": runner.context_length, "max_total_tokens": runner.max_total_tokens,

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
-from radixlm.srt.managers.cpu_guard import CpuGuard
+from radixlm.srt.managers.cpu_guard import CpuGuard, guard_wanted
 from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, TokenizerIn,
                                             TokenOutput)
 from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand, tokenize
@@ -129,7 +129,7 @@ class TokenizerManager:
         self._recv_task = asyncio.create_task(self._recv_loop())
         if self.trace is not None:
             self._lag_task = asyncio.create_task(self.trace.watch_loop())
-        if self.args.scheduler_cpus == "auto" and self.info.get("device", "cpu").startswith("cuda"):
+        if guard_wanted(self.args.scheduler_cpus, self.info.get("device", "cpu")):
             # every token reaches its client through this loop: keep it off CPUs interrupts take time from
             self.cpu_guard = CpuGuard("http server")
             self._guard_task = asyncio.create_task(self.cpu_guard.run_in_loop())
