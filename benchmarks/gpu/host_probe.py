@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: radixlm's stdlib-only helpers
+from radixlm.srt.utils import read_proc_stat  # noqa: E402
+
 _INTERVAL = 0.25
 _HEARTBEAT = 0.001
 _LATE_MS = 3.0
@@ -74,11 +77,9 @@ def process_ticks() -> dict[int, tuple[str, int]]:
         if not entry.name.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
+            name, rest = read_proc_stat(f"/proc/{entry.name}/stat")
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        rest = stat[stat.rindex(")") + 2:].split()
         out[int(entry.name)] = (name, int(rest[11]) + int(rest[12]), int(rest[1]))  # utime+stime, ppid
     return out
 
@@ -105,14 +106,13 @@ def thread_counts(pid: int) -> dict[int, tuple[str, int, int, int, int, int]]:
         return out
     for tid in tids:
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name, rest = read_proc_stat(f"/proc/{pid}/task/{tid}/stat")
             status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/task/{tid}/status").read_text()
                           .splitlines() if ":" in line)
             inv, vol = int(status["nonvoluntary_ctxt_switches"]), int(status["voluntary_ctxt_switches"])
         except (OSError, KeyError, ValueError):
             continue
-        rest = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (stat[stat.index("(") + 1:stat.rindex(")")], int(rest[11]) + int(rest[12]), inv, vol,
+        out[int(tid)] = (name, int(rest[11]) + int(rest[12]), inv, vol,
                          _sched_field(f"/proc/{pid}/task/{tid}/sched", "se.nr_migrations"), int(rest[36]))
     return out
 

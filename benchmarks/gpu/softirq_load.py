@@ -15,9 +15,13 @@ import argparse
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: radixlm's stdlib-only helpers
+from radixlm.srt.utils import read_proc_stat  # noqa: E402
 
 
 def busiest_thread(root: int, window: float = 0.5) -> tuple[int, int]:
@@ -28,10 +32,9 @@ def busiest_thread(root: int, window: float = 0.5) -> tuple[int, int]:
         for pid in pids:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 try:
-                    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                    rest = read_proc_stat(f"/proc/{pid}/task/{tid}/stat")[1]
                 except OSError:
                     continue
-                rest = stat[stat.rindex(")") + 2:].split()
                 out[int(tid)] = (int(rest[11]) + int(rest[12]), int(rest[36]))
         return out
     before = threads()
