@@ -3,8 +3,10 @@ compiled grammars (failures are cached too, so a bad spec fails fast the next ti
 
 A compile shares the CPU with the forward pass; on a small CPU host a long one (a pathological regex) would slow
 every decode step severalfold, as torch's worker threads wait on the core it holds. Typical compiles take well
-under a second, so a compile still running after DEMOTE_AFTER_S (or once its request has timed out) is lowered
-to the lowest CPU priority: it finishes on idle cycles. Lowering is one-way for an unprivileged process, which is
+under a second, so a compile that has used DEMOTE_AFTER_S of CPU time (or whose request has timed out) is lowered
+to the lowest CPU priority: it finishes on idle cycles. CPU time, not wall time: on a busy host an ordinary compile
+sharing the cores with the forward pass can run for seconds by the clock, and lowering it there would starve it
+(at the lowest priority it gets about 1/70 of a core beside busy torch threads) until its request times out. Lowering is one-way for an unprivileged process, which is
 why each compile has its own thread instead of a pool's reused one."""
 from __future__ import annotations
 
@@ -41,6 +43,23 @@ def create_backend(name: str, tokenizer, vocab_size: int, stop_ids: list[int]) -
 
 
 COMPILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+def _cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock (None where the platform has none: such compiles are never demoted)."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def _cpu_seconds(clock: int | None) -> float:
+    if clock is None:
+        return 0.0
+    try:
+        return time.clock_gettime(clock)
+    except OSError:  # the thread has just ended (its record is about to go)
+        return 0.0
 
 
 @dataclass
@@ -87,7 +106,7 @@ class GrammarManager:
         self.stats = GrammarStats()
         self._slots = threading.BoundedSemaphore(workers)
         self._lock = threading.Lock()
-        self._active: dict[Future, list] = {}  # compiling now: [native thread id, started, demoted]
+        self._active: dict[Future, list] = {}  # compiling now: [native thread id, CPU clock id, demoted]
         self._wake = threading.Event()
         self._closed = False
         threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True).start()
@@ -111,7 +130,7 @@ class GrammarManager:
             if self._closed or not fut.set_running_or_notify_cancel():
                 return
             with self._lock:
-                self._active[fut] = [threading.get_native_id(), time.monotonic(), False]
+                self._active[fut] = [threading.get_native_id(), _cpu_clock(), False]
             self._wake.set()
             try:
                 fut.set_result(self._compile(spec))
@@ -137,12 +156,11 @@ class GrammarManager:
         while not self._closed:
             self._wake.wait(0.25 if self._active else None)
             self._wake.clear()
-            now = time.monotonic()
             with self._lock:
-                slow = [f for f, (_, started, demoted) in self._active.items()
-                        if not demoted and now - started > DEMOTE_AFTER_S]
+                slow = [f for f, (_, clock, demoted) in self._active.items()
+                        if not demoted and _cpu_seconds(clock) > DEMOTE_AFTER_S]
             for fut in slow:
-                self._demote(fut, f"running for more than {DEMOTE_AFTER_S:.0f} s")
+                self._demote(fut, f"has used more than {DEMOTE_AFTER_S:.0f} s of CPU time")
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         start = time.perf_counter()
