@@ -30,6 +30,19 @@ class GrammarError(InvalidRequest):
     code = "invalid_grammar"
 
 
+class GrammarTimeout(GrammarError):
+    """A compile that ran past --grammar-compile-timeout: the grammar is too complex to serve."""
+
+
+class GrammarWorkersBusy(GrammarError):
+    """No compile worker came free within the time limit (slow compiles held them all): the server's state, not
+    a fault of the request."""
+
+    status = 503
+    type = "server_overloaded"
+    code = "grammar_workers_busy"
+
+
 class ModelLoadError(RadixLMError):
     """A model path, file or architecture that cannot be loaded (raised at start-up, not per request)."""
 

@@ -76,8 +76,9 @@ class ServerArgs:
                                "interrupts, softirqs or the hypervisor, checked every 2 s), none (the kernel "
                                "places them), or a list such as 2-7,9 (the scheduler pinned there)")
     grammar_backend: str = _opt("outlines", "constrained decoding backend", ("outlines", "xgrammar", "none"))
-    grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile before its request fails "
-                                          "with a 400")
+    grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile, from when a worker starts "
+                                          "it, before its request fails with a 400 (queued requests fail with a "
+                                          "503 only if no worker comes free for this long)")
     disable_jump_forward: bool = _opt(False, "sample grammar-forced text token by token instead of appending "
                                       "it in one extend")
     enable_jump_forward: bool = _opt(False, "jump-forward under overlap scheduling too (the default on CUDA), "

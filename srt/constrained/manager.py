@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from radixlm.srt.constrained.base import CompiledGrammar, GrammarBackend, GrammarSpec
-from radixlm.srt.errors import GrammarError
+from radixlm.srt.errors import GrammarError, GrammarTimeout, GrammarWorkersBusy
 
 logger = logging.getLogger(__name__)
 
@@ -81,20 +81,30 @@ class GrammarStats:
 
 @dataclass(eq=False)
 class GrammarTicket:
+    """One request's wait for a compile. Its time limit runs from when the compile started (or from the request, if
+    it joined one already running): a compile waiting for a free worker has not started yet, and a burst of
+    distinct grammars on a small host may queue for longer than the limit. The wait for a worker is bounded too:
+    it fails only if no worker has come free (no compile started or ended) for the whole limit."""
     spec: GrammarSpec
     future: Future
-    started: float
-    deadline: float
+    created: float
+    timeout: float
+    manager: "GrammarManager"
 
     def poll(self) -> CompiledGrammar | GrammarError | None:
         """The compiled grammar, the error that ended it, or None while still compiling."""
         if self.future.done():
             err = self.future.exception()
             return err if err is not None else self.future.result()
-        if time.monotonic() > self.deadline:
-            return GrammarError(f"compiling the {self.spec.describe()} took longer than "
-                                f"{self.deadline - self.started:.0f} s (--grammar-compile-timeout); simplify it",
-                                param=self.spec.kind)
+        now = time.monotonic()
+        started = self.manager.started_at(self.future)
+        if started is not None:
+            if now - max(started, self.created) > self.timeout:
+                return GrammarTimeout(f"compiling the {self.spec.describe()} took longer than {self.timeout:.0f} s "
+                                      "(--grammar-compile-timeout); simplify it", param=self.spec.kind)
+        elif now - max(self.created, self.manager.last_progress) > self.timeout:
+            return GrammarWorkersBusy(f"no grammar compile worker came free in {self.timeout:.0f} s: slow compiles "
+                                      "hold them all; retry later", param=self.spec.kind)
         return None
 
 
@@ -106,7 +116,8 @@ class GrammarManager:
         self.stats = GrammarStats()
         self._slots = threading.BoundedSemaphore(workers)
         self._lock = threading.Lock()
-        self._active: dict[Future, list] = {}  # compiling now: [native thread id, CPU clock id, demoted]
+        self._active: dict[Future, list] = {}  # compiling now: [native thread id, CPU clock id, demoted, started]
+        self.last_progress = time.monotonic()  # when a compile last started or ended: the queue is moving
         self._wake = threading.Event()
         self._closed = False
         threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True).start()
@@ -123,14 +134,20 @@ class GrammarManager:
             self.cache[spec] = fut
             while len(self.cache) > _CACHE_ENTRIES:
                 self.cache.popitem(last=False)
-        return GrammarTicket(spec, fut, now, now + self.timeout)
+        return GrammarTicket(spec, fut, now, self.timeout, self)
+
+    def started_at(self, fut: Future) -> float | None:
+        """When the compile behind `fut` started; None while it waits for a worker."""
+        rec = self._active.get(fut)
+        return rec[3] if rec is not None else None
 
     def _run(self, spec: GrammarSpec, fut: Future) -> None:
         with self._slots:
             if self._closed or not fut.set_running_or_notify_cancel():
                 return
             with self._lock:
-                self._active[fut] = [threading.get_native_id(), _cpu_clock(), False]
+                self.last_progress = now = time.monotonic()
+                self._active[fut] = [threading.get_native_id(), _cpu_clock(), False, now]
             self._wake.set()
             try:
                 fut.set_result(self._compile(spec))
@@ -139,6 +156,7 @@ class GrammarManager:
             finally:
                 with self._lock:  # before the thread ends, so a demotion never reaches a reused thread id
                     self._active.pop(fut, None)
+                    self.last_progress = time.monotonic()
 
     def _demote(self, fut: Future, why: str) -> None:
         with self._lock:
@@ -157,7 +175,7 @@ class GrammarManager:
             self._wake.wait(0.25 if self._active else None)
             self._wake.clear()
             with self._lock:
-                slow = [f for f, (_, clock, demoted) in self._active.items()
+                slow = [f for f, (_, clock, demoted, _) in self._active.items()
                         if not demoted and _cpu_seconds(clock) > DEMOTE_AFTER_S]
             for fut in slow:
                 self._demote(fut, f"has used more than {DEMOTE_AFTER_S:.0f} s of CPU time")

@@ -220,7 +220,7 @@ class Scheduler(SchedulerOutputMixin):
         ready, failed = self.grammar.poll()
         self.waiting += ready
         for r, err in failed:
-            self._finish_abort(r, notify=True, message=err.message, status_code=400, param=err.param)
+            self._finish_abort(r, notify=True, message=err.message, status_code=err.status, param=err.param)
         if not ready and not failed and not self._runnable():
             self.grammar.wait_briefly()
 

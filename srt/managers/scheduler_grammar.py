@@ -18,7 +18,7 @@ import torch
 
 from radixlm.srt.constrained.bitmask import allocate
 from radixlm.srt.constrained.manager import GrammarManager, GrammarTicket, create_backend
-from radixlm.srt.errors import GrammarError
+from radixlm.srt.errors import GrammarError, GrammarTimeout
 from radixlm.srt.utils import to_device
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class SchedulerGrammar:
             if result is None:
                 keep.append((req, ticket))
             elif isinstance(result, GrammarError):
-                if "took longer than" in result.message:
+                if isinstance(result, GrammarTimeout):
                     self.manager.stats.timeouts += 1
                     self.manager.forget(req.grammar_spec)  # a later request may try again
                 failed.append((req, result))
