@@ -6,8 +6,9 @@ every decode step severalfold, as torch's worker threads wait on the core it hol
 under a second, so a compile that has used DEMOTE_AFTER_S of CPU time (or whose request has timed out) is lowered
 to the lowest CPU priority: it finishes on idle cycles. CPU time, not wall time: on a busy host an ordinary compile
 sharing the cores with the forward pass can run for seconds by the clock, and lowering it there would starve it
-(at the lowest priority it gets about 1/70 of a core beside busy torch threads) until its request times out. Lowering is one-way for an unprivileged process, which is
-why each compile has its own thread instead of a pool's reused one."""
+(at the lowest priority it gets about 1/70 of a core beside busy torch threads) until its request times out.
+Lowering is one-way for an unprivileged process, which is why each compile has its own thread instead of a pool's
+reused one."""
 from __future__ import annotations
 
 import logging
