@@ -14,9 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.itl_tail import pct  # noqa: E402
 
 
 def _calibrate_sleep(step_ms: float) -> int:
@@ -74,11 +79,6 @@ def _round(graph: torch.cuda.CUDAGraph, out: torch.Tensor, units: int, steps: in
     return gaps, events[0][0].elapsed_time(events[-1][1]) - busy
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--step-ms", type=float, default=8.0, help="GPU time of a step (c32 decode on the H100: ~7)")
@@ -106,8 +106,8 @@ def main() -> None:
             idle[w] += i
     rows = []
     for w in works:
-        p50, p99 = _pct(gaps[w], 0.5), _pct(gaps[w], 0.99)
-        rows.append({"work_ms": w, "n": len(gaps[w]), "p50_ms": p50, "p90_ms": _pct(gaps[w], 0.9), "p99_ms": p99,
+        p50, p99 = pct(gaps[w], 50), pct(gaps[w], 99)
+        rows.append({"work_ms": w, "n": len(gaps[w]), "p50_ms": p50, "p90_ms": pct(gaps[w], 90), "p99_ms": p99,
                      "max_ms": max(gaps[w]), "p99_over_p50": p99 / p50,
                      "over_2x_p50": sum(g > 2 * p50 for g in gaps[w]), "gpu_idle_ms": idle[w]})
     result = {"step_ms": args.step_ms, "work_units_per_ms": per_ms, "steps": args.steps, "rounds": args.rounds,

@@ -89,7 +89,6 @@ class GrammarTicket:
     spec: GrammarSpec
     future: Future
     created: float
-    timeout: float
     manager: "GrammarManager"
 
     def poll(self) -> CompiledGrammar | GrammarError | None:
@@ -97,14 +96,14 @@ class GrammarTicket:
         if self.future.done():
             err = self.future.exception()
             return err if err is not None else self.future.result()
-        now = time.monotonic()
+        now, limit = time.monotonic(), self.manager.timeout
         started = self.manager.started_at(self.future)
         if started is not None:
-            if now - max(started, self.created) > self.timeout:
-                return GrammarTimeout(f"compiling the {self.spec.describe()} took longer than {self.timeout:.0f} s "
+            if now - max(started, self.created) > limit:
+                return GrammarTimeout(f"compiling the {self.spec.describe()} took longer than {limit:.0f} s "
                                       "(--grammar-compile-timeout); simplify it", param=self.spec.kind)
-        elif now - max(self.created, self.manager.last_progress) > self.timeout:
-            return GrammarWorkersBusy(f"no grammar compile worker came free in {self.timeout:.0f} s: slow compiles "
+        elif now - max(self.created, self.manager.last_progress) > limit:
+            return GrammarWorkersBusy(f"no grammar compile worker came free in {limit:.0f} s: slow compiles "
                                       "hold them all; retry later", param=self.spec.kind)
         return None
 
@@ -135,7 +134,7 @@ class GrammarManager:
             self.cache[spec] = fut
             while len(self.cache) > _CACHE_ENTRIES:
                 self.cache.popitem(last=False)
-        return GrammarTicket(spec, fut, now, self.timeout, self)
+        return GrammarTicket(spec, fut, now, self)
 
     def started_at(self, fut: Future) -> float | None:
         """When the compile behind `fut` started; None while it waits for a worker."""

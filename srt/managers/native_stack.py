@@ -88,15 +88,18 @@ def read_memory(addr: int, nbytes: int, pid: int | str = "self") -> bytes:
             return b""
 
 
+def syscall_registers(fields: list[str]) -> tuple[int, int] | None:
+    """(stack pointer, program counter) from a /proc/.../syscall file's fields; None while the thread runs (the
+    file says only "running")."""
+    return (int(fields[-2], 16), int(fields[-1], 16)) if len(fields) > 2 else None
+
+
 def registers(tid: int, pid: int | str = "self") -> tuple[int, int] | None:
     """(stack pointer, program counter) of a thread blocked in the kernel; None while it runs."""
     try:
-        call = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
+        return syscall_registers(Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split())
     except OSError:
         return None
-    if len(call) < 3:  # "running"
-        return None
-    return int(call[-2], 16), int(call[-1], 16)
 
 
 def stack_guess(tid: int, code: CodeMap, pid: int | str = "self", regs: tuple[int, int] | None = None) -> list[int]:

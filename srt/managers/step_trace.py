@@ -71,15 +71,17 @@ def thread_state(tid: int, others: bool = False, pid: int | str = "self", native
     arguments (a futex's address, an ioctl's request), wait channel, kernel stack where readable; with `native`,
     a native stack guess and a futex's holder (see _native_state); with `others`, every other thread's state,
     system call and CPU too (a lock's holder may be among them)."""
+    from radixlm.srt.managers.native_stack import syscall_registers
+
     base, out, regs = f"/proc/{pid}/task/{tid}", {}, None
     try:
         rest = read_proc_stat(f"{base}/stat")[1]
         out["state"], out["cpu"] = rest[0], int(rest[36])  # stat's fields 3 and 39
         call = Path(f"{base}/syscall").read_text().split()
         out["syscall"] = call[0]  # a number, or "running"
-        if len(call) > 2:
+        regs = syscall_registers(call)
+        if regs is not None:
             out["syscall_args"] = call[1:3]
-            regs = int(call[-2], 16), int(call[-1], 16)  # stack pointer, program counter
         out["wchan"] = Path(f"{base}/wchan").read_text().strip() or "-"
         out["kstack"] = [line.split()[-1] for line in Path(f"{base}/stack").read_text().splitlines()[:4]]
     except (OSError, IndexError, ValueError):
