@@ -213,25 +213,32 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
                            logprob_start_len=req.logprob_start_len, stream=req.stream, rids=rids)
         many = batched or len(states) > 1
 
-        def item(st):
-            out = {"text": st.text, "output_ids": st.output_ids, "meta_info": st.meta()}
+        def item(st, text: str, output_ids: list[int], meta: dict):
+            out = {"text": text, "output_ids": output_ids, "meta_info": meta}
             if many:
                 out["index"] = st.index
             return out
 
         if req.stream:
             async def events():
+                # Each chunk is the request as of its update (text and ids so far), not as the state is now: a
+                # handler that lags behind may find the state further on, or finished, with updates still queued.
+                text = {st.rid: "" for st in states}
+                ids: dict[str, list[int]] = {st.rid: [] for st in states}
                 async for st, out in tm.updates(states):
-                    if st.failed:
-                        yield sse(RequestFailed(st.finish_reason).to_dict())
+                    if out.failed:
+                        yield sse(RequestFailed(out.finished_reason).to_dict())
                     elif out.delta or out.finished_reason or out.new_ids:
-                        yield sse(item(st))
+                        text[st.rid] += out.delta
+                        ids[st.rid] += out.new_ids
+                        yield sse(item(st, text[st.rid], list(ids[st.rid]), st.meta(out)))
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
         await tm.wait(states, request)
         raise_if_failed(states)
-        return JSONResponse([item(s) for s in states] if many else item(states[0]))
+        results = [item(s, s.text, s.output_ids, s.meta()) for s in states]
+        return JSONResponse(results if many else results[0])
 
     # --- OpenAI ----------------------------------------------------------------------------------------
     @app.get("/v1/models")

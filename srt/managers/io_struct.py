@@ -25,6 +25,11 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Sent with a request's first output so the detokenizer knows how to render it.
     detok: dict | None = None
 
+    @property
+    def failed(self) -> bool:
+        """The final update of a request ended by an error (it carries the HTTP status to answer with)."""
+        return bool((self.finished_reason or {}).get("status_code"))
+
 
 # --- tokenizer manager -> scheduler ----------------------------------------------------------------------
 class GenerateReq(msgspec.Struct, tag=True):

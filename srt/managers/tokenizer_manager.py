@@ -76,14 +76,18 @@ class ReqState:
         client's abort."""
         return bool((self.finish_reason or {}).get("status_code"))
 
-    def meta(self) -> dict:
-        m = {"id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
-             "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+    def meta(self, upto: TokenOutput | None = None) -> dict:
+        """The native API's meta_info: of the request now, or as of its update `upto` (a streamed chunk), whose
+        token counts and finish reason it reports and whose number of tokens bounds the logprobs listed."""
+        src = self if upto is None else upto
+        n = src.completion_tokens
+        m = {"id": self.rid, "finish_reason": self.finish_reason if upto is None else upto.finished_reason,
+             "prompt_tokens": src.prompt_tokens, "completion_tokens": n, "cached_tokens": src.cached_tokens,
              "e2e_latency": (self.last_token_at or time.perf_counter()) - self.created}
         if self.output_logprobs:
-            m["output_token_logprobs"] = self.output_logprobs
+            m["output_token_logprobs"] = self.output_logprobs[:n]
         if self.output_top_logprobs:
-            m["output_top_logprobs"] = self.output_top_logprobs
+            m["output_top_logprobs"] = self.output_top_logprobs[:n]
         if self.input_logprobs:
             m["input_token_logprobs"] = self.input_logprobs
         return m
@@ -188,12 +192,18 @@ class TokenizerManager:
         return states
 
     async def updates(self, states: list[ReqState], request=None) -> AsyncIterator[tuple[ReqState, TokenOutput]]:
-        """Every update of these requests in arrival order, until all finish. If the consumer stops early (a
-        client disconnect cancels it) or the client goes away, the unfinished ones are aborted."""
+        """Every update of these requests in arrival order, until each one's final update (the one carrying its
+        finish reason) has been yielded. If the consumer stops early (a client disconnect cancels it) or the client
+        goes away, the unfinished ones are aborted.
+
+        The end is read from the updates, never from the states: a state is finished as soon as its final update
+        is *queued*, and a consumer that lags behind (a busy event loop, a stream with much to write) still has
+        that update and others before it to take. Every finish queues exactly one final update (`_handle_batch`,
+        `abort`, `fail_all`), so each request's end is seen once."""
         if not states:
             return
         queue = states[0].queue
-        pending = {s.rid for s in states if not s.finished}
+        pending = {s.rid for s in states}
         try:
             while pending:
                 try:
@@ -203,7 +213,7 @@ class TokenizerManager:
                         logger.info("client disconnected; aborting %d request(s)", len(pending))
                         return
                     continue
-                if st.finished:
+                if out.finished_reason is not None:
                     pending.discard(st.rid)
                 yield st, out
         finally:

@@ -12,9 +12,25 @@ import pytest
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+@pytest.fixture(scope="module", params=["plain", "overlap"])
+def srv(request):
+    """Every test here runs against the plain scheduler (the CPU default) and with overlap scheduling forced
+    on, as it runs by default on CUDA: the HTTP process then receives a step's tokens while the next step
+    runs, and its handlers lag behind the scheduler the way they do on a GPU."""
+    if request.param == "plain":
+        yield request.getfixturevalue("server")
+        return
+    from tests.helpers import ServerProcess
+
+    s = ServerProcess("--max-total-tokens", "20000", "--force-overlap-schedule")
+    assert _server_info(s)["scheduler"]["overlap"] is True
+    yield s
+    assert s.stop() == 0
+
+
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _server_info(server):
@@ -31,12 +47,12 @@ def _wait_idle(server, timeout=15):
     raise AssertionError(f"server still busy: {s}")
 
 
-def test_models_and_info(server, client):
+def test_models_and_info(srv, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
-    info = httpx.get(f"{server.url}/get_model_info").json()
+    info = httpx.get(f"{srv.url}/get_model_info").json()
     assert info["context_length"] == 8192 and info["architecture"] == "LlamaForCausalLM"
-    assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+    assert httpx.get(f"{srv.url}/health_generate", timeout=60).status_code == 200
 
 
 def test_chat_completion_answers(client):
@@ -96,9 +112,9 @@ def test_logprobs(client):
     assert "".join(lp.tokens) == c.choices[0].text
 
 
-def test_logit_bias(server, client):
+def test_logit_bias(srv, client):
     kw = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
-    base = httpx.post(f"{server.url}/generate", json={"text": kw["prompt"], "sampling_params": {
+    base = httpx.post(f"{srv.url}/generate", json={"text": kw["prompt"], "sampling_params": {
         "temperature": 0, "max_new_tokens": 4}}, timeout=60).json()["output_ids"]
     assert client.completions.create(**kw).choices[0].text == client.completions.create(
         **kw, logit_bias={"7": 0}).choices[0].text
@@ -119,18 +135,18 @@ def test_cached_tokens_on_repeated_prompt(client):
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
-def test_native_generate(server):
-    r = httpx.post(f"{server.url}/generate", json={"text": "The capital of France is",
+def test_native_generate(srv):
+    r = httpx.post(f"{srv.url}/generate", json={"text": "The capital of France is",
                                                    "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
                    timeout=60)
     assert r.status_code == 200
     body = r.json()
     assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) == 8
-    batch = httpx.post(f"{server.url}/generate", json={"text": ["Hi", "Bye"],
+    batch = httpx.post(f"{srv.url}/generate", json={"text": ["Hi", "Bye"],
                                                        "sampling_params": {"temperature": 0, "max_new_tokens": 3}},
                        timeout=60).json()
     assert [b["index"] for b in batch] == [0, 1]
-    with httpx.stream("POST", f"{server.url}/generate", json={"input_ids": [504, 3575, 282, 4649, 314], "stream": True,
+    with httpx.stream("POST", f"{srv.url}/generate", json={"input_ids": [504, 3575, 282, 4649, 314], "stream": True,
                                                               "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
                       timeout=60) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
@@ -139,7 +155,7 @@ def test_native_generate(server):
     assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 8
 
 
-def test_64_concurrent_streaming_chats(server, client):
+def test_64_concurrent_streaming_chats(srv, client):
     topics = ["cats", "the sea", "Paris", "music", "rain", "bread", "trains", "snow",
               "the moon", "coffee", "chess", "forests", "rivers", "robots", "gold", "tea"]
     prompts = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
@@ -162,12 +178,47 @@ def test_64_concurrent_streaming_chats(server, client):
     assert len(set(reference.values())) == 16
 
 
-def test_disconnected_streams_are_aborted(server):
+def test_loaded_streams_end_whole(srv):
+    """64 concurrent streams of 4 answers each with 20 top logprobs per token: the handlers have much to write
+    and fall behind the scheduler. Every answer still gets all its tokens, all its logprobs and exactly one
+    finish, and the usage chunk agrees with what was streamed."""
+    msgs = [[{"role": "user", "content": f"Name {k} animals."}] for k in range(1, 9)]
+
+    def stream(i):
+        s = srv_client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=msgs[i % 8], temperature=0.9, seed=i, max_tokens=12, n=4,
+            logprobs=True, top_logprobs=20, stream=True, stream_options={"include_usage": True})
+        return list(s)
+
+    srv_client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    with cf.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(stream, range(64)))
+    for chunks in results:
+        usage = chunks[-1].usage
+        assert usage is not None and not chunks[-1].choices
+        tokens = 0
+        for idx in range(4):
+            mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == idx]
+            finishes = [c.finish_reason for c in mine if c.finish_reason]
+            assert finishes in (["stop"], ["length"]), finishes
+            assert mine[-1].finish_reason is not None  # the finish is this answer's last chunk
+            lps = [t for c in mine if c.logprobs for t in c.logprobs.content]
+            assert all(len(t.top_logprobs) == 20 for t in lps)
+            text = "".join(c.delta.content or "" for c in mine)
+            # the logprobs' token bytes spell the text (and, after a stop, the end-of-turn token it omits)
+            spelled = b"".join(bytes(t.bytes) for t in lps).decode("utf-8", errors="replace")
+            assert text and spelled.startswith(text), (spelled, text)
+            tokens += len(lps)
+        assert tokens == usage.completion_tokens
+    _wait_idle(srv)
+
+
+def test_disconnected_streams_are_aborted(srv):
     body = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 2000, "ignore_eos": True,
             "temperature": 0.7, "stream": True}
 
     def cut():
-        with httpx.Client(timeout=60) as c, c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{srv.url}/v1/chat/completions", json=body) as r:
             got = 0
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -177,26 +228,26 @@ def test_disconnected_streams_are_aborted(server):
 
     with cf.ThreadPoolExecutor(20) as pool:
         assert all(n >= 4 for n in pool.map(lambda _: cut(), range(20)))
-    stats = _wait_idle(server)
+    stats = _wait_idle(srv)
     assert stats["num_running"] == 0
-    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
-    stats = _server_info(server)["scheduler"]
+    assert httpx.post(f"{srv.url}/flush_cache").status_code == 200
+    stats = _server_info(srv)["scheduler"]
     assert stats["kv_free"] == stats["kv_total"]
     assert stats["aborted_requests"] >= 20
 
 
-def test_abort_request_endpoint(server):
+def test_abort_request_endpoint(srv):
     body = {"text": "Count forever:", "rid": "to-abort",
             "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(f"{server.url}/generate", json=body,
+    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(f"{srv.url}/generate", json=body,
                                                                           timeout=120)))
     t.start()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if httpx.post(f"{server.url}/abort_request", json={"rid": "to-abort"}).json()["success"]:
+        if httpx.post(f"{srv.url}/abort_request", json={"rid": "to-abort"}).json()["success"]:
             break
         time.sleep(0.1)
     t.join(timeout=60)
     assert not t.is_alive()
-    _wait_idle(server)
+    _wait_idle(srv)

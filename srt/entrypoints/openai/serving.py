@@ -10,6 +10,7 @@ import jinja2
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
+from radixlm.srt.constrained.vocab import token_bytes
 from radixlm.srt.entrypoints.openai import tools as tooling
 from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.srt.errors import GrammarError, InvalidRequest, RadixLMError
@@ -100,6 +101,12 @@ class OpenAIServing:
     def _token_str(self, tid: int) -> str:
         return self.tm.tokenizer.decode([tid])
 
+    def _token_bytes(self, tid: int, text: str) -> list[int]:
+        """The token's own bytes (OpenAI's `bytes`): a token holding part of a UTF-8 character decodes to U+FFFD
+        on its own, and only its raw bytes, joined with its neighbours', give the character back."""
+        raw = token_bytes(self.tm.tokenizer).by_id.get(tid)
+        return list(raw if raw is not None else text.encode("utf-8"))
+
     # --- /v1/completions -----------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request):
         self._check_model(req.model)
@@ -131,20 +138,20 @@ class OpenAIServing:
         for st in states:
             text = (self._prompt_text(st) if req.echo else "") + st.text
             choices.append({"index": st.index, "text": text, "finish_reason": _FINISH.get(st.finish_reason["type"]),
-                            "logprobs": self._completion_logprobs(st, req.echo) if want_lp else None})
+                            "logprobs": self._completion_logprobs(st.output_logprobs, st.output_top_logprobs,
+                                                                  st.input_logprobs if req.echo else ())
+                            if want_lp else None})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
                                "choices": choices, "usage": usage(states)})
 
     def _prompt_text(self, st: ReqState) -> str:
         return st.prompt_text if st.prompt_text is not None else self.tm.tokenizer.decode(st.input_ids)
 
-    def _completion_logprobs(self, st: ReqState, echo: bool, start: int = 0, prompt_too: bool | None = None) -> dict:
-        entries = []
-        if echo if prompt_too is None else prompt_too:
-            entries += [(lp, tid, None) for lp, tid in st.input_logprobs]
-        tops = st.output_top_logprobs
-        entries += [(lp, tid, tops[i] if i < len(tops) else None) for i, (lp, tid) in enumerate(st.output_logprobs)]
-        entries = entries[start:]
+    def _completion_logprobs(self, output_lps: list, output_tops: list | None, prompt_lps: list = ()) -> dict:
+        """OpenAI's completion `logprobs` for these tokens: the prompt's entries (echo), then the outputs'."""
+        tops = output_tops or []
+        entries = [(lp, tid, None) for lp, tid in prompt_lps]
+        entries += [(lp, tid, tops[i] if i < len(tops) else None) for i, (lp, tid) in enumerate(output_lps)]
         tokens, offsets, pos = [], [], 0
         for _, tid, _ in entries:
             tokens.append(self._token_str(tid))
@@ -160,20 +167,20 @@ class OpenAIServing:
                         "choices": choices, **extra})
 
         want_lp = req.logprobs is not None
-        sent_lp = {st.rid: 0 for st in states}
         if req.echo:
             for st in states:
                 yield chunk([{"index": st.index, "text": self._prompt_text(st), "logprobs": None,
                               "finish_reason": None}])
         async for st, out in self.tm.updates(states):
-            if st.failed:
-                yield sse(RequestFailed(st.finish_reason).to_dict())
+            if out.failed:
+                yield sse(RequestFailed(out.finished_reason).to_dict())
                 continue
+            # Everything sent comes from this update, not from the state: a handler that lags behind may find
+            # the state already further on (or finished) while updates before the last are still queued.
             lp = None
-            if want_lp and out.new_ids:
-                lp = self._completion_logprobs(st, False, start=sent_lp[st.rid], prompt_too=False)
-                sent_lp[st.rid] = len(st.output_logprobs)
-            finish = _FINISH.get(st.finish_reason["type"]) if out.finished_reason else None
+            if want_lp and out.output_logprobs:
+                lp = self._completion_logprobs(out.output_logprobs, out.output_top_logprobs)
+            finish = _FINISH.get(out.finished_reason["type"]) if out.finished_reason else None
             if out.delta or finish or lp:
                 yield chunk([{"index": st.index, "text": out.delta, "logprobs": lp, "finish_reason": finish}])
         if req.stream_options and req.stream_options.include_usage:
@@ -314,21 +321,21 @@ class OpenAIServing:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = "tool_calls"
             choices.append({"index": st.index, "message": message,
-                            "logprobs": {"content": self._chat_logprobs(st)} if req.logprobs else None,
+                            "logprobs": {"content": self._chat_logprobs(st.output_logprobs, st.output_top_logprobs)}
+                            if req.logprobs else None,
                             "finish_reason": finish})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
                                "choices": choices, "usage": usage(states)})
 
-    def _chat_logprobs(self, st: ReqState, start: int = 0) -> list[dict]:
+    def _chat_logprobs(self, output_lps: list, output_tops: list | None) -> list[dict]:
         out = []
-        tops = st.output_top_logprobs
-        for i in range(start, len(st.output_logprobs)):
-            lp, tid = st.output_logprobs[i]
+        tops = output_tops or []
+        for i, (lp, tid) in enumerate(output_lps):
             tok = self._token_str(tid)
-            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+            entry = {"token": tok, "logprob": lp, "bytes": self._token_bytes(tid, tok), "top_logprobs": []}
             if i < len(tops):
                 entry["top_logprobs"] = [{"token": (t := self._token_str(x)), "logprob": v,
-                                          "bytes": list(t.encode("utf-8"))} for v, x in tops[i]]
+                                          "bytes": self._token_bytes(x, t)} for v, x in tops[i]]
             out.append(entry)
         return out
 
@@ -343,17 +350,16 @@ class OpenAIServing:
         for st in states:
             yield chunk([{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        sent_lp = {st.rid: 0 for st in states}
         held = {st.rid: "" for st in states}  # text not yet sent while it may be a tool call
         tag = tooling.BEGIN.strip()
         async for st, out in self.tm.updates(states):
-            if st.failed:
-                yield sse(RequestFailed(st.finish_reason).to_dict())
+            if out.failed:
+                yield sse(RequestFailed(out.finished_reason).to_dict())
                 continue
+            # From this update only (see _stream_completions): the state may be further on already.
             lp = None
-            if req.logprobs and out.new_ids:
-                lp = {"content": self._chat_logprobs(st, sent_lp[st.rid])}
-                sent_lp[st.rid] = len(st.output_logprobs)
+            if req.logprobs and out.output_logprobs:
+                lp = {"content": self._chat_logprobs(out.output_logprobs, out.output_top_logprobs)}
             delta = out.delta
             if funcs is not None and held[st.rid] is not None:
                 text = held[st.rid] + delta
@@ -366,7 +372,7 @@ class OpenAIServing:
                 yield chunk([{"index": st.index, "delta": {"content": delta}, "logprobs": lp,
                               "finish_reason": None}])
             if out.finished_reason:
-                finish = _FINISH.get(st.finish_reason["type"])
+                finish = _FINISH.get(out.finished_reason["type"])
                 if funcs is not None and held[st.rid]:
                     content, calls = tooling.parse_tool_calls(held[st.rid], funcs)
                     if calls:
