@@ -75,7 +75,9 @@ class ServerArgs:
                                "and HTTP server's loops move off a CPU that loses over 3%% of its time to "
                                "interrupts, softirqs or the hypervisor, checked every 2 s), none (the kernel "
                                "places them), or a list such as 2-7,9 (the scheduler pinned there)")
-    grammar_backend: str = _opt("outlines", "constrained decoding backend", ("outlines", "xgrammar", "none"))
+    grammar_backend: str = _opt("auto", "constrained decoding backend: auto picks, per request, the first of "
+                                "llguidance, xgrammar, outlines that enforces every keyword of its grammar",
+                                ("auto", "llguidance", "xgrammar", "outlines", "none"))
     grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile, from when a worker starts "
                                           "it, before its request fails with a 400 (queued requests fail with a "
                                           "503 only if no worker comes free for this long)")

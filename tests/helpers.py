@@ -9,7 +9,7 @@ import torch
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-GRAMMAR_BACKENDS = ("outlines", "xgrammar")
+GRAMMAR_BACKENDS = ("outlines", "xgrammar", "llguidance")
 
 
 def smollm_tokenizer():

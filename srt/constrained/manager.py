@@ -32,6 +32,8 @@ _LOWEST_PRIORITY = 19
 def create_backend(name: str, tokenizer, vocab_size: int, stop_ids: list[int]) -> GrammarBackend | None:
     if name == "none":
         return None
+    if name == "auto":
+        return AutoBackend(tokenizer, vocab_size, stop_ids)
     if name == "outlines":
         from radixlm.srt.constrained.outlines_backend import OutlinesBackend
 
@@ -40,7 +42,34 @@ def create_backend(name: str, tokenizer, vocab_size: int, stop_ids: list[int]) -
         from radixlm.srt.constrained.xgrammar_backend import XGrammarBackend
 
         return XGrammarBackend(tokenizer, vocab_size, stop_ids)
+    if name == "llguidance":
+        from radixlm.srt.constrained.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_ids)
     raise ValueError(f"unknown grammar backend {name!r}")
+
+
+class AutoBackend(GrammarBackend):
+    """Each spec compiled by the first backend of spec.AUTO_ORDER that enforces all of it (the edge made the same
+    choice when it accepted the request). A backend is built the first time a spec needs it."""
+
+    name = "auto"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        self._args = (tokenizer, vocab_size, stop_ids)
+        self._backends: dict[str, GrammarBackend] = {}
+        self._lock = threading.Lock()
+
+    def backend(self, name: str) -> GrammarBackend:
+        with self._lock:
+            if name not in self._backends:
+                self._backends[name] = create_backend(name, *self._args)
+            return self._backends[name]
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        from radixlm.srt.constrained.spec import check_supported
+
+        return self.backend(check_supported(spec, "auto")).compile(spec)
 
 
 COMPILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))

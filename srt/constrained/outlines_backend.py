@@ -123,6 +123,11 @@ class OutlinesBackend(GrammarBackend):
             if i < vocab_size and i not in self.stop_ids:
                 table.setdefault(b, []).append(i)
         self.vocabulary = Vocabulary(self.eos_id, table)
+        # JSON grammars index a vocabulary without the tokens holding raw control characters: outlines-core puts a
+        # string's `pattern` into the JSON regex as it is, so `.` or `[^a]` would let U+0000-U+001F into a string,
+        # where JSON requires them escaped. Whitespace between JSON values is optional, so nothing needs them.
+        self.json_vocabulary = Vocabulary(self.eos_id, {b: ids for b, ids in table.items()
+                                                        if not any(x < 0x20 for x in b)})
         self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -131,7 +136,7 @@ class OutlinesBackend(GrammarBackend):
 
         if spec.kind == "ebnf":
             raise GrammarError("EBNF grammars are not supported by the outlines grammar backend; start the "
-                               "server with --grammar-backend xgrammar", param="ebnf")
+                               "server with --grammar-backend auto", param="ebnf")
         if spec.kind == "regex":
             regex = spec.spec
         elif spec.kind == "choices":
@@ -150,8 +155,9 @@ class OutlinesBackend(GrammarBackend):
                 regex = build_regex_from_schema(spec.spec)
             except Exception as e:  # its errors are ValueErrors and Rust panics alike
                 raise GrammarError(f"the JSON schema cannot be compiled: {e}", param="json_schema") from None
+        vocabulary = self.json_vocabulary if spec.kind in ("json_schema", "json_object") else self.vocabulary
         try:
-            return OutlinesCompiled(Index(regex, self.vocabulary), self)
+            return OutlinesCompiled(Index(regex, vocabulary), self)
         except Exception as e:
             param = "regex" if spec.kind == "regex" else spec.kind
             raise GrammarError(f"the {spec.describe()} cannot be compiled: {e}", param=param) from None

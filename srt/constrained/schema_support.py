@@ -24,12 +24,12 @@ _IGNORED_BY_BOTH = {
     "patternProperties": "property names matched by pattern are not supported",
 }
 _IGNORED_BY_OUTLINES = {
-    "minimum": "numeric bounds are not enforced by outlines; use --grammar-backend xgrammar",
-    "maximum": "numeric bounds are not enforced by outlines; use --grammar-backend xgrammar",
-    "exclusiveMinimum": "numeric bounds are not enforced by outlines; use --grammar-backend xgrammar",
-    "exclusiveMaximum": "numeric bounds are not enforced by outlines; use --grammar-backend xgrammar",
+    "minimum": "numeric bounds are not enforced by outlines",
+    "maximum": "numeric bounds are not enforced by outlines",
+    "exclusiveMinimum": "numeric bounds are not enforced by outlines",
+    "exclusiveMaximum": "numeric bounds are not enforced by outlines",
     "multipleOf": "multipleOf is not enforced by outlines",
-    "propertyNames": "propertyNames is not enforced by outlines; use --grammar-backend xgrammar",
+    "propertyNames": "propertyNames is not enforced by outlines",
     "minProperties": "property counts are not enforced by outlines",
     "maxProperties": "property counts are not enforced by outlines",
 }
@@ -46,6 +46,38 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 _INT64 = 2 ** 63
+# The formats JSON Schema (2020-12) defines. Any other `format` is an annotation: validators ignore it, so it is
+# dropped before a backend sees it (llguidance refuses formats it does not know, outlines too).
+DEFINED_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4",
+                   "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+                   "relative-json-pointer", "regex"}
+# Keywords that constrain or apply subschemas (2020-12 and the older drafts' `dependencies`, tuple `items`):
+# anything else beside a $ref is an annotation ($comment, title, x-..., a tool's own metadata) and is harmless.
+_ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+               "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains",
+               "minContains", "maxProperties", "minProperties", "required", "dependentRequired", "format",
+               "properties", "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
+               "additionalItems", "contains", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+               "dependentSchemas", "dependencies", "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef"}
+
+
+def drop_unknown_formats(schema):
+    """A copy of `schema` without `format`s that JSON Schema does not define (annotations by the spec)."""
+    if isinstance(schema, list):
+        return [drop_unknown_formats(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "format" and isinstance(value, str) and value not in DEFINED_FORMATS:
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: drop_unknown_formats(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMA_ONE or key == "items":
+            out[key] = drop_unknown_formats(value)
+        else:
+            out[key] = value  # enum, const, default, examples...: values, not schemas
+    return out
 
 
 def unsupported_keyword(schema, backend: str) -> tuple[str, str, str] | None:
@@ -93,8 +125,8 @@ def _check_node(s: dict, path: str, backend: str, is_property: bool):
     for kw, why in table.items():
         if kw in s:
             return path, kw, why
-    if "$ref" in s and set(s) - _REF_SIBLINGS_OK:
-        extra = sorted(set(s) - _REF_SIBLINGS_OK)[0]
+    if "$ref" in s and (set(s) & _ASSERTIONS) - _REF_SIBLINGS_OK:
+        extra = sorted((set(s) & _ASSERTIONS) - _REF_SIBLINGS_OK)[0]
         return path, extra, "keywords beside $ref are ignored by grammar engines; move them into the referenced schema"
     if isinstance(s.get("items"), list):
         return path, "items", "tuple form (an array of schemas) is not supported; use prefixItems"

@@ -3,6 +3,7 @@ a 400 naming the problem for anything a backend cannot express (instead of a cra
 unconstrained answer)."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -37,7 +38,26 @@ _LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]")
 
 def parse_json_schema(value) -> str:
     """A schema given as an object or as JSON text, as compact JSON text (key order kept: it is the order the
-    fields are generated in)."""
+    fields are generated in). Results are cached by the schema's text: the meta-schema check of a large schema
+    takes tenths of a second, and a request's grammar is read several times on its way in (and most clients send
+    the same few schemas again and again)."""
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):
+            pass  # not JSON-able, or too deep: refused below with the reason
+        else:
+            return _parse_schema_text(value)
+        return _parse_schema(value)
+    return _parse_schema_text(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_schema_text(text: str) -> str:
+    return _parse_schema(text)
+
+
+def _parse_schema(value) -> str:
     too_deep = False
     if isinstance(value, str):
         try:
@@ -57,6 +77,10 @@ def parse_json_schema(value) -> str:
         except SchemaError as e:
             raise GrammarError(f"json_schema is not a valid JSON schema: at {e.json_path}: {e.message}",
                                param="json_schema") from None
+    if isinstance(value, dict):
+        from radixlm.srt.constrained.schema_support import drop_unknown_formats
+
+        value = drop_unknown_formats(value)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -92,23 +116,54 @@ def check_regex(regex: str) -> None:
         raise GrammarError(f"regex is not a valid regular expression: {e}", param="regex") from None
 
 
-def check_supported(spec: GrammarSpec, backend: str) -> None:
-    """Reject at the edge what `backend` cannot express or would not enforce."""
-    if backend == "none":
-        raise GrammarError("structured output is disabled on this server (--grammar-backend none)",
-                           param=spec.kind)
+# `--grammar-backend auto` tries them in this order and takes the first that can enforce the whole spec:
+# llguidance refuses what it does not implement and compiles in about a millisecond; xgrammar has the fastest
+# masks but drops some keywords (schema_support lists them) and compiles in tenths of a second; outlines-core
+# builds a whole DFA, which can take seconds to minutes.
+AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
+BACKENDS = ("auto", *AUTO_ORDER, "none")
+
+
+@functools.lru_cache(maxsize=1024)
+def _refusal(spec: GrammarSpec, backend: str) -> str | None:
+    """Why `backend` cannot enforce `spec` (a sentence naming the keyword where there is one), or None."""
     if spec.kind == "ebnf" and backend == "outlines":
-        raise GrammarError("EBNF grammars are not supported by the outlines grammar backend; start the server "
-                           "with --grammar-backend xgrammar", param="ebnf")
+        return "EBNF grammars are not supported by the outlines grammar backend"
+    if backend == "llguidance":
+        from radixlm.srt.constrained.llguidance_backend import check, one_line
+
+        why = check(spec)
+        return None if why is None else f"llguidance: {one_line(why)}"
     if spec.kind in ("json_schema", "tool_call"):
         from radixlm.srt.constrained.schema_support import unsupported_keyword
 
         schema = json.loads(spec.spec)
-        name = "json_schema"
         if spec.kind == "tool_call":
-            schema, name = schema["schema"], "tools"
+            schema = schema["schema"]
         found = unsupported_keyword(schema, backend)
         if found:
             path, keyword, why = found
-            raise GrammarError(f"{name}: {keyword!r} at {path} is not supported by the {backend} grammar "
-                               f"backend ({why})", param=name)
+            return f"{keyword!r} at {path} is not supported by the {backend} grammar backend ({why})"
+    return None
+
+
+def check_supported(spec: GrammarSpec, backend: str) -> str:
+    """The backend that will enforce `spec` (for `auto`, the first of AUTO_ORDER that can); a GrammarError (400)
+    naming what is not supported when none can."""
+    name = "tools" if spec.kind == "tool_call" else spec.kind
+    if backend == "none":
+        raise GrammarError("structured output is disabled on this server (--grammar-backend none)", param=name)
+    if backend != "auto":
+        why = _refusal(spec, backend)
+        if why is not None:
+            hint = "; start the server with --grammar-backend auto" if backend != "llguidance" else ""
+            raise GrammarError(f"{name}: {why}{hint}", param=name)
+        return backend
+    reasons = []
+    for candidate in AUTO_ORDER:
+        why = _refusal(spec, candidate)
+        if why is None:
+            return candidate
+        reasons.append(why)
+    raise GrammarError(f"{name}: no grammar backend can enforce this {spec.describe()}: " + "; ".join(reasons),
+                       param=name)

@@ -11,6 +11,11 @@ from radixlm.srt.constrained.outlines_backend import choices_regex
 from radixlm.srt.errors import GrammarError
 
 _MAX_ROLLBACK = 64
+# xgrammar 0.2.8 writes the characters of a length-bounded JSON string (minLength / maxLength) as this class, which
+# lets raw control characters through (JSON requires them escaped: such output does not parse). The same class
+# without U+0000-U+001F replaces it.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 class XGrammarCompiled(CompiledGrammar):
@@ -71,12 +76,20 @@ class XGrammarBackend(GrammarBackend):
         words = bitmask[0]
         return sum((int(words[t // 32]) >> (t % 32)) & 1 for t in self.stop_ids)
 
+    def json_grammar(self, schema: str):
+        """A JSON schema's grammar, its strings free of raw control characters."""
+        grammar = self.xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        text = str(grammar)
+        if _LOOSE_STRING_CHAR not in text:
+            return grammar
+        return self.xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
     def _tool_grammar(self, spec: str):
         from radixlm.srt.constrained.tool_grammar import BEGIN, END, not_prefixed_regex, parse_spec, regex_escape
 
         G = self.xgr.Grammar
         mode, schema = parse_spec(spec)
-        one = G.concat(G.from_regex(regex_escape(BEGIN)), G.from_json_schema(json.dumps(schema), any_whitespace=False),
+        one = G.concat(G.from_regex(regex_escape(BEGIN)), self.json_grammar(json.dumps(schema)),
                        G.from_regex(regex_escape(END)))
         calls = one  # one call per answer, as in the outlines backend
         return calls if mode == "call" else G.union(G.from_regex(not_prefixed_regex(BEGIN)), calls)
@@ -84,10 +97,9 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         c = self.compiler
         try:
-            if spec.kind == "json_schema":
-                compiled = c.compile_json_schema(spec.spec, any_whitespace=False)
-            elif spec.kind == "json_object":
-                compiled = c.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+            if spec.kind in ("json_schema", "json_object"):
+                schema = spec.spec if spec.kind == "json_schema" else json.dumps({"type": "object"})
+                compiled = c.compile_grammar(self.json_grammar(schema))
             elif spec.kind == "regex":
                 compiled = c.compile_regex(spec.spec)
             elif spec.kind == "tool_call":

@@ -29,6 +29,9 @@ from radixlm.srt.managers.tokenizer_manager import ServiceUnavailable, Tokenizer
 logger = logging.getLogger(__name__)
 
 
+_GRAMMAR_KEYS = {"json_schema", "regex", "ebnf"}
+
+
 class _HTTPError(RadixLMError):
     def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None):
         super().__init__(message, param)
@@ -203,7 +206,17 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
     async def generate(request: Request):
         req = parse(GenerateRequest, await read_json(request, limit))
         prompts, batched = normalize_inputs(req.text, req.input_ids)
-        params = per_prompt_params(req.sampling_params, len(prompts))
+        sp = req.sampling_params
+        if any(isinstance(d, dict) and _GRAMMAR_KEYS & set(d) for d in (sp if isinstance(sp, list) else [sp])):
+            def build():  # large schemas take tenths of a second to check: off the event loop (see OpenAIServing)
+                ps = per_prompt_params(sp, len(prompts))
+                for p in ps:
+                    tm.check_grammar(p)
+                return ps
+
+            params = await tm.off_loop(build)
+        else:
+            params = per_prompt_params(sp, len(prompts))
         check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)
         inputs = [PreparedInput(*tok, sp) for tok, sp in zip(await tm.tokenize_many(prompts), params)]
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(inputs)

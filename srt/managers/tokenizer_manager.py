@@ -15,6 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from radixlm.srt.constrained.spec import check_supported
 from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
 from radixlm.srt.managers.cpu_guard import CpuGuard, guard_wanted
 from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, TokenizerIn,
@@ -153,6 +154,12 @@ class TokenizerManager:
     async def off_loop(self, fn):
         """Run `fn()` (tokenizer work) on the tokenizer thread; its exceptions reach the caller."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
+
+    def check_grammar(self, params) -> None:
+        """The edge's check of a request's grammar (a GrammarError naming what no backend here enforces)."""
+        spec = params.grammar()
+        if spec is not None:
+            check_supported(spec, self.args.grammar_backend)
 
     def submit(self, inputs: list[PreparedInput], *, return_logprob: bool = False, top_logprobs_num: int = 0,
                logprob_start_len: int = -1, stream: bool = False, rids: list[str | None] | None = None

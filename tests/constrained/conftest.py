@@ -1,5 +1,6 @@
-"""Engines shared by the constrained-decoding tests: the session's outlines engine (`smol_engine`) and one
-xgrammar engine for this package, so that it loads once."""
+"""Engines shared by the constrained-decoding tests: one per grammar backend (jump-forward on, the default
+compile timeout), built when a test first needs it and kept for this package, so that each loads once. The
+session's `smol_engine` runs the default backend, `auto`."""
 import pytest
 
 import radixlm
@@ -7,17 +8,24 @@ from tests.helpers import GRAMMAR_BACKENDS
 
 
 @pytest.fixture(scope="package")
-def xgrammar_engine():
-    engine = radixlm.Engine(grammar_backend="xgrammar", log_level="warning", max_total_tokens=16384,
-                            enable_jump_forward=True)
-    yield engine
-    engine.shutdown()
+def backend_engines():
+    made = {}
+
+    def get(backend: str):
+        if backend not in made:
+            made[backend] = radixlm.Engine(grammar_backend=backend, log_level="warning", max_total_tokens=16384,
+                                           enable_jump_forward=True)
+        return made[backend]
+
+    yield get
+    for e in made.values():
+        e.shutdown()
 
 
 @pytest.fixture(params=GRAMMAR_BACKENDS)
-def engine(request):
+def engine(request, backend_engines):
     """The engine of each backend: jump-forward on, the default compile timeout."""
-    e = request.getfixturevalue("smol_engine" if request.param == "outlines" else "xgrammar_engine")
+    e = backend_engines(request.param)
     assert e.server_args.grammar_backend == request.param
     assert e.scheduler.grammar.jump_forward
     return e

@@ -1,6 +1,6 @@
-"""Grammar-constrained decoding through the scheduler, on both grammar backends (outlines: the shared smol_engine;
-xgrammar: an engine of this module): regex outputs match, constrained rows leave unconstrained ones alone,
-aborts and failed or timed-out compiles free everything, and jump-forward saves forward passes."""
+"""Grammar-constrained decoding through the scheduler, on every grammar backend (an engine each, from this
+package's conftest): regex outputs match, constrained rows leave unconstrained ones alone, aborts and failed or
+timed-out compiles free everything, and jump-forward saves forward passes."""
 import concurrent.futures
 import gc
 import json
@@ -61,10 +61,13 @@ SMALL_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "max
 BAD_REGEXES = {
     "outlines": [(r"\bcat\b", "word boundar"), (r"^(yes|no)$", "anchored")],
     "xgrammar": [(r"\bcat\b", "word boundary"), (r"(?i)(yes|no)", "group modifier")],
+    # llguidance checks its grammars without a tokenizer, so the edge refuses these before anything is queued
+    "llguidance": [(r"\bcat\b", "lookarounds not supported"), (r"a\Z", "unrecognized escape sequence")],
 }
 
 # Compiles in seconds, several times COMPILE_TIMEOUT_S, and still ends by itself (measured on this 2-core CPU:
 # outlines ~0.08 s per `\w?`, ~3.3 s for 40; xgrammar grows quadratically, 2 s for 50, 3.5-6 s for 60).
+# llguidance builds its lexer lazily, step by step, under per-step fuel limits: no compile of it runs long.
 SLOW_REGEXES = {"outlines": r"\w?" * 40, "xgrammar": r"\w?" * 60}
 
 
@@ -287,6 +290,9 @@ def test_compile_failure_fails_only_that_request(engine):
     bad = BAD_REGEXES[backend]
     for regex, _ in bad:
         re.compile(regex)  # valid for Python: the failure is the backend's
+    if backend == "llguidance":
+        _edge_refusals_fail_only_that_call(engine, bad)
+        return
     prompts = ["My favourite pet is a "] + ["Answer: "] * len(bad) + ["The capital of France is"]
     params = ([{"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8}]
               + [{"regex": regex, **GREEDY, "max_new_tokens": 8} for regex, _ in bad]
@@ -312,8 +318,8 @@ def test_compile_failure_fails_only_that_request(engine):
                                [{"regex": r"(cat|dog|bird)", "max_new_tokens": 8},
                                 {"regex": regex, "max_new_tokens": 8}])
         assert_engine_idle(engine)
-    if backend == "outlines":  # EBNF is an xgrammar feature
-        with pytest.raises(GrammarError, match="xgrammar"):
+    if backend == "outlines":  # EBNF needs another backend
+        with pytest.raises(GrammarError, match="--grammar-backend auto"):
             engine.generate("Answer: ", {"ebnf": 'root ::= "yes" | "no"', "max_new_tokens": 4})
     else:
         out = engine.generate("Answer: ", {"ebnf": 'root ::= "yes" | "no"', **GREEDY, "max_new_tokens": 4})
@@ -323,8 +329,27 @@ def test_compile_failure_fails_only_that_request(engine):
     assert_engine_idle(engine)
 
 
+def _edge_refusals_fail_only_that_call(engine, bad):
+    """A backend that checks specs at the edge: a spec it cannot compile is a GrammarError (400) from the call
+    that sends it, naming the problem; nothing of that call is queued, and other requests run as before."""
+    for regex, reason in bad:
+        with pytest.raises(GrammarError, match=reason) as info:
+            engine.add_request(["My favourite pet is a ", "Answer: "],
+                               [{"regex": r"(cat|dog|bird)", "max_new_tokens": 8}, {"regex": regex, "max_new_tokens": 8}])
+        assert info.value.status == 400 and info.value.param == "regex"
+        assert_engine_idle(engine)
+    with pytest.raises(GrammarError, match="undefined_rule") as info:
+        engine.generate("Answer: ", {"ebnf": 'root ::= "yes" | undefined_rule', "max_new_tokens": 4})
+    assert info.value.param == "ebnf"
+    out = engine.generate("Answer: ", {"ebnf": 'root ::= "yes" | "no"', **GREEDY, "max_new_tokens": 4})
+    assert out["text"] in ("yes", "no")
+    out = engine.generate("My favourite pet is a ", {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8})
+    assert re.fullmatch(r"(cat|dog|bird)", out["text"])
+    assert_engine_idle(engine)
+
+
 # --- 5. a compile that takes too long ----------------------------------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", sorted(SLOW_REGEXES))
 def test_slow_compile_times_out_without_stalling_others(strict_engines, backend):
     engine = strict_engines(backend)
     sch = engine.scheduler
@@ -377,8 +402,8 @@ def test_slow_compile_times_out_without_stalling_others(strict_engines, backend)
 
 # --- 6. jump-forward ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_jump_forward_saves_forward_passes(request, strict_engines, backend):
-    on = request.getfixturevalue("smol_engine" if backend == "outlines" else "xgrammar_engine")
+def test_jump_forward_saves_forward_passes(backend_engines, strict_engines, backend):
+    on = backend_engines(backend)
     off = strict_engines(backend)
     assert on.server_args.grammar_backend == off.server_args.grammar_backend == backend
     assert on.scheduler.grammar.jump_forward and not off.scheduler.grammar.jump_forward

@@ -21,10 +21,12 @@ import openai
 import pytest
 from jsonschema import Draft202012Validator
 
+from radixlm.srt.constrained.llguidance_backend import unimplemented_keys
+from radixlm.srt.constrained.manager import create_backend
 from radixlm.srt.constrained.spec import check_supported, grammar_spec
 from radixlm.srt.errors import GrammarError
 from tests.constrained.schemas import BY_NAME, CASES
-from tests.helpers import GRAMMAR_BACKENDS as BACKENDS, assert_engine_idle, assert_server_idle
+from tests.helpers import GRAMMAR_BACKENDS as BACKENDS, assert_engine_idle, assert_server_idle, smollm_tokenizer
 
 MAX_NEW_TOKENS = 384
 MAX_RAMBLING = 4  # outputs allowed to run to the token limit inside an unbounded string (about 1 in 10)
@@ -69,8 +71,23 @@ def _resolve(schema, pointer: str):
     return node
 
 
+# Keywords llguidance names in refusals that are not "Unimplemented keys: [...]"
+_LLG_NAMED = ("minProperties", "maxProperties", "oneOf", "format")
+
+
 def _check_refusal(case, message: str, backend: str) -> str:
-    """The refusal names a keyword that the schema really has at the place named; returns the keyword."""
+    """The refusal names a keyword that the schema really has (at the place named, where the backend names one);
+    returns the keyword. `auto` refuses only what no backend enforces, and says so."""
+    if backend == "auto":
+        assert "no grammar backend can enforce" in message, message
+        backend = "xgrammar"  # its reason carries a keyword and a place; llguidance's and outlines' come beside it
+    if backend == "llguidance":
+        keys = unimplemented_keys(message) or [k for k in _LLG_NAMED if k in message]
+        assert keys, f"{case.name}: refusal does not name a keyword: {message!r}"
+        assert set(keys) <= _keywords(case.schema, set()), (case.name, keys, message)
+        if case.rejects:
+            assert set(keys) & set(case.rejects), f"{case.name}: expected one of {case.rejects}: {message!r}"
+        return keys[0]
     m = _REFUSAL.search(message)
     assert m, f"{case.name}: refusal does not name a keyword and its place: {message!r}"
     keyword, pointer, named_backend = m.groups()
@@ -135,12 +152,41 @@ def test_format_checks_are_active():
     assert not _validator({"type": "string", "format": "date-time"}).is_valid("2024-02-29T10:20:30")  # no offset
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
 def test_each_backend_supports_most_of_the_corpus(backend):
     supported, refused = _split(backend)
     assert len(supported) >= MIN_SUPPORTED, sorted(refused)
-    # what no grammar engine can enforce is refused by every backend
-    assert {c.name for c in CASES if c.rejects} <= set(refused)
+    # what a backend does not enforce it refuses: outlines and xgrammar drop every `rejects` keyword; llguidance
+    # enforces three of them (tested below) and refuses the rest
+    enforced = LLGUIDANCE_ENFORCES if backend in ("llguidance", "auto") else {}
+    assert {c.name for c in CASES if c.rejects} - set(enforced) <= set(refused)
+    assert not set(enforced) & set(refused)
+    if backend == "auto":  # auto accepts what any backend enforces
+        assert {c.name for c in supported} == set().union(*({c.name for c in _split(b)[0]} for b in BACKENDS))
+
+
+# llguidance's keyword coverage beyond the other engines: a schema each, with instances it must refuse
+LLGUIDANCE_ENFORCES = {
+    "env_vars": ('{"HOME": "/root", "PATH": "/bin"}', ['{"home": "/root"}', '{"HOME": 3}']),
+    "bounded_pattern": ('{"code": "AB12"}', ['{"code": "ABCDEFG"}', '{"code": "ab"}']),
+    "decimal_price": ('{"price": 12.34}', ['{"price": 12.345}']),
+}
+
+
+def test_llguidance_enforces_the_keywords_it_accepts():
+    """Each keyword llguidance accepts beyond the other engines is enforced: the grammar walks a valid instance
+    to its end and refuses a token of each invalid one."""
+    tok = smollm_tokenizer()
+    backend = create_backend("llguidance", tok, len(tok), [2])
+    for name, (good, bads) in LLGUIDANCE_ENFORCES.items():
+        compiled = backend.compile(grammar_spec(json_schema=BY_NAME[name].schema))
+        _validator(BY_NAME[name].schema).validate(json.loads(good))
+        m = compiled.matcher()
+        assert all(m.accept(t) for t in tok.encode(good, add_special_tokens=False)) and m.is_terminated(), name
+        for bad in bads:
+            assert not _validator(BY_NAME[name].schema).is_valid(json.loads(bad))
+            m = compiled.matcher()
+            assert not all(m.accept(t) for t in tok.encode(bad, add_special_tokens=False)), (name, bad)
 
 
 # --- the Engine: supported schemas validate, unsupported ones get a 400 --------------------------------------
@@ -206,11 +252,12 @@ def test_unsupported_schemas_get_400_naming_the_keyword(engine):
         assert info.value.message == err.message
     if backend == "outlines":
         assert {"minimum", "exclusiveMinimum"} <= named  # numeric bounds it would not enforce
-    assert {"uniqueItems", "not", "if", "patternProperties", "dependentRequired", "contains"} <= named
+    assert {"uniqueItems", "not", "dependentRequired", "contains"} <= named
+    assert ("if" in named or "else" in named) and ("patternProperties" in named) == (backend != "llguidance")
     assert_engine_idle(engine)
 
 
-# --- the HTTP server (default backend: outlines) ------------------------------------------------------------
+# --- the HTTP server (default backend: auto) ----------------------------------------------------------------
 def test_http_response_format_output_validates(server, client):
     cases = [BY_NAME[n] for n in ("calendar_event", "shape", "permissions")]
 
@@ -233,7 +280,7 @@ def test_http_response_format_output_validates(server, client):
 
 def test_http_unsupported_schemas_get_400_naming_the_keyword(server, client):
     backend = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["server_args"]["grammar_backend"]
-    assert backend in BACKENDS
+    assert backend == "auto"
     _, refused = _split(backend)
     assert refused
     chat_params = {}

@@ -15,6 +15,11 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
+class ResponseFormat(_Base):
+    type: str
+    json_schema: dict | None = None  # {"name", "schema", "strict"}
+
+
 class _SamplingFields(_Base):
     """Fields shared by /v1/completions and /v1/chat/completions, including the usual vLLM/SGLang extras."""
 
@@ -40,6 +45,17 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
+    # constrained decoding, on both routes: OpenAI's response_format, SGLang's fields, vLLM's guided_* fields and
+    # its structured_outputs object ({"json" | "regex" | "choice" | "grammar": ...})
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: Union[dict, str, None] = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -65,25 +81,15 @@ class ChatMessage(_Base):
     tool_call_id: str | None = None  # a tool result's call
 
 
-class ResponseFormat(_Base):
-    type: str
-    json_schema: dict | None = None  # {"name", "schema", "strict"}
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None
-    # extras: constrained decoding without response_format (SGLang/vLLM-style)
-    regex: str | None = None
-    ebnf: str | None = None
-    json_schema: Union[dict, str, None] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 

@@ -37,6 +37,27 @@ class RequestFailed(RadixLMError):
         self.type = "invalid_request_error" if self.status < 500 else "server_error"
 
 
+def _call_incomplete(max_tokens: int | None) -> InvalidRequest:
+    """tool_choice required or named: the grammar admits nothing but a call, so an answer without a whole call
+    ran out of tokens first; an error, never a plain answer in place of the call."""
+    return InvalidRequest(f"the answer reached max_tokens ({max_tokens}) before its tool call was complete; "
+                          "raise max_tokens", param="max_tokens")
+
+
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "regex", "grammar": "ebnf"}
+
+
+def _choices(choices, field: str) -> str | None:
+    """vLLM's guided_choice: the answer is exactly one of these strings (as a regex)."""
+    if choices is None:
+        return None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequest(f"{field} must be a non-empty list of non-empty strings", param=field)
+    from radixlm.srt.constrained.outlines_backend import choices_regex
+
+    return choices_regex(choices)
+
+
 class JSONResponse(Response):
     media_type = "application/json"
 
@@ -93,10 +114,26 @@ class OpenAIServing:
              "logit_bias": req.logit_bias}
         try:
             return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None or k == "max_new_tokens"})
+        except GrammarError:
+            raise  # the caller names the field the grammar came in
         except InvalidRequest as e:  # speak the OpenAI field names back to the client
             names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "tool_call": "tools"}
             param = names.get(e.param, e.param)
             raise InvalidRequest(e.message.replace(e.param or "", param or "", 1), param=param) from None
+
+    async def _sampling(self, req, max_tokens: int | None, grammar: dict) -> SamplingParams:
+        """The request's sampling parameters. A grammar is checked on the tokenizer thread (the meta-schema and
+        backend checks of a large schema take tenths of a second the first time; the results are cached, so the
+        checks `submit` repeats find them done)."""
+        if not grammar:
+            return self._params(req, max_tokens)
+
+        def build() -> SamplingParams:
+            params = self._params(req, max_tokens, **grammar)
+            self.tm.check_grammar(params)
+            return params
+
+        return await self.tm.off_loop(build)
 
     def _token_str(self, tid: int) -> str:
         return self.tm.tokenizer.decode([tid])
@@ -116,24 +153,32 @@ class OpenAIServing:
             raise InvalidRequest("best_of must equal n (beam-style best_of is not supported)", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= _MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {_MAX_TOP_LOGPROBS}]", param="logprobs")
-        params = self._params(req, req.max_tokens)
+        grammar, field = self._grammar(req)
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        inputs = [PreparedInput(*tok, params) for tok in await self.tm.tokenize_many(prompts)]
         want_lp = req.logprobs is not None
-        states = self.tm.submit(inputs, return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
-                                logprob_start_len=0 if (want_lp and req.echo) else -1, stream=req.stream,
-                                rids=[req.rid] * len(inputs) if req.rid and len(inputs) == 1 and req.n == 1 else None)
+        try:
+            params = await self._sampling(req, req.max_tokens, grammar)
+            inputs = [PreparedInput(*tok, params) for tok in await self.tm.tokenize_many(prompts)]
+            states = self.tm.submit(inputs, return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
+                                    logprob_start_len=0 if (want_lp and req.echo) else -1, stream=req.stream,
+                                    rids=[req.rid] * len(inputs) if req.rid and len(inputs) == 1 and req.n == 1
+                                    else None)
+        except GrammarError as e:
+            raise self._grammar_param(field, e) from None
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
             return StreamingResponse(self._stream_completions(req, states, rid, created, request),
                                      media_type="text/event-stream")
         await self.tm.wait(states, request)
-        raise_if_failed(states)
+        try:
+            raise_if_failed(states)
+        except RequestFailed as e:
+            raise self._grammar_param(field, e) from None
         choices = []
         for st in states:
             text = (self._prompt_text(st) if req.echo else "") + st.text
@@ -253,9 +298,24 @@ class OpenAIServing:
             msg["tool_call_id"] = m.tool_call_id
         return msg
 
-    def _grammar(self, req: ChatCompletionRequest, mode: str, funcs: list[dict], name: str | None) -> dict:
-        """Sampling parameters for response_format, tools and the json_schema/regex/ebnf extras."""
-        g = {"regex": req.regex, "ebnf": req.ebnf, "json_schema": req.json_schema}
+    def _grammar(self, req, mode: str = "none", funcs: list[dict] | None = None,
+                 name: str | None = None) -> tuple[dict, str | None]:
+        """Sampling parameters for response_format, tools and the other constraint fields (SGLang's json_schema /
+        regex / ebnf, vLLM's guided_* and structured_outputs), at most one of them; and the request field it came
+        from, which errors about it name."""
+        so = req.structured_outputs or {}
+        unknown = sorted(set(so) - set(_STRUCTURED_OUTPUTS))
+        if unknown:
+            raise InvalidRequest(f"structured_outputs: unknown field(s) {', '.join(unknown)} (supported: "
+                                 f"{', '.join(_STRUCTURED_OUTPUTS)})", param="structured_outputs")
+        given = {  # request field -> (grammar kind, value)
+            "json_schema": ("json_schema", req.json_schema), "regex": ("regex", req.regex), "ebnf": ("ebnf", req.ebnf),
+            "guided_json": ("json_schema", req.guided_json), "guided_regex": ("regex", req.guided_regex),
+            "guided_choice": ("regex", _choices(req.guided_choice, "guided_choice")),
+            "guided_grammar": ("ebnf", req.guided_grammar),
+            **{f"structured_outputs.{k}": (_STRUCTURED_OUTPUTS[k], v if k != "choice" else
+                                           _choices(v, "structured_outputs.choice")) for k, v in so.items()},
+        }
         rf = req.response_format
         if rf is not None:
             if rf.type == "json_schema":
@@ -263,25 +323,30 @@ class OpenAIServing:
                 if not isinstance(schema, (dict, bool)):
                     raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
                                          param="response_format")
-                g["json_schema"] = schema
+                given["response_format"] = ("json_schema", schema)
             elif rf.type == "json_object":
-                g["json_schema"] = {"type": "object"}
+                given["response_format"] = ("json_schema", {"type": "object"})
             elif rf.type != "text":
                 raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
                                      param="response_format")
-        spec = tooling.tool_grammar(funcs, mode, name)
+        spec = tooling.tool_grammar(funcs or [], mode, name)
         if spec is not None:
-            if any(v is not None for v in g.values()):
+            given["tools"] = ("tool_call", spec)
+        used = [(field, kind, value) for field, (kind, value) in given.items() if value is not None]
+        if len(used) > 1:
+            fields = [u[0] for u in used]
+            if "tools" in fields:
                 raise InvalidRequest("tools cannot be combined with response_format or another grammar; use "
                                      'tool_choice "none" for a constrained text answer', param="tools")
-            g["tool_call"] = spec
-        return {k: v for k, v in g.items() if v is not None}
+            raise InvalidRequest(f"give at most one constraint (got {', '.join(fields)})", param=fields[1])
+        return {kind: value for _, kind, value in used}, (used[0][0] if used else None)
 
     @staticmethod
-    def _grammar_param(req: ChatCompletionRequest, err: RadixLMError) -> RadixLMError:
-        """A schema given through response_format is refused under that name, the field the client sent."""
-        if err.param == "json_schema" and req.response_format is not None and req.json_schema is None:
-            err.param = "response_format"
+    def _grammar_param(field: str | None, err: RadixLMError) -> RadixLMError:
+        """A grammar refused under the name of the request field the client sent it in (response_format,
+        guided_json, ...), not the sampling parameter it became."""
+        if field is not None and err.param in ("json_schema", "regex", "ebnf"):
+            err.param = field
         return err
 
     async def chat(self, req: ChatCompletionRequest, request):
@@ -292,26 +357,28 @@ class OpenAIServing:
             raise InvalidRequest(f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}] and needs logprobs=true",
                                  param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, max_tokens, **self._grammar(req, mode, funcs, name))
-        # Rendering and tokenizing the messages runs on the tokenizer thread, off the event loop.
-        ids = await self.tm.off_loop(lambda: self.chat_input_ids(req, funcs if mode != "none" else []))
+        grammar, field = self._grammar(req, mode, funcs, name)
         try:
+            params = await self._sampling(req, max_tokens, grammar)
+            # Rendering and tokenizing the messages runs on the tokenizer thread, off the event loop.
+            ids = await self.tm.off_loop(lambda: self.chat_input_ids(req, funcs if mode != "none" else []))
             states = self.tm.submit([PreparedInput(ids, None, params)], return_logprob=req.logprobs,
                                     top_logprobs_num=top or 0, stream=req.stream,
                                     rids=[req.rid] if req.rid and req.n == 1 else None)
         except GrammarError as e:
-            raise self._grammar_param(req, e) from None
+            raise self._grammar_param(field, e) from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         calls_on = mode != "none"
         if req.stream:
-            return StreamingResponse(self._stream_chat(req, states, rid, created, funcs if calls_on else None),
+            return StreamingResponse(self._stream_chat(req, states, rid, created, funcs if calls_on else None,
+                                                       forced=mode in ("required", "named")),
                                      media_type="text/event-stream")
         await self.tm.wait(states, request)
         try:
             raise_if_failed(states)
         except RequestFailed as e:
-            raise self._grammar_param(req, e) from None
+            raise self._grammar_param(field, e) from None
         choices = []
         for st in states:
             message, finish = {"role": "assistant", "content": st.text}, _FINISH.get(st.finish_reason["type"])
@@ -320,6 +387,8 @@ class OpenAIServing:
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = "tool_calls"
+                elif mode in ("required", "named"):
+                    raise _call_incomplete(max_tokens)
             choices.append({"index": st.index, "message": message,
                             "logprobs": {"content": self._chat_logprobs(st.output_logprobs, st.output_top_logprobs)}
                             if req.logprobs else None,
@@ -339,8 +408,8 @@ class OpenAIServing:
             out.append(entry)
         return out
 
-    async def _stream_chat(self, req: ChatCompletionRequest, states, rid, created,
-                           funcs: list[dict] | None) -> AsyncIterator[bytes]:
+    async def _stream_chat(self, req: ChatCompletionRequest, states, rid, created, funcs: list[dict] | None,
+                           forced: bool = False) -> AsyncIterator[bytes]:
         """With tools, text that may still become a tool call is held back; a call is sent whole, as one
         delta.tool_calls entry, when its answer finishes."""
         def chunk(choices, **extra):
@@ -373,15 +442,17 @@ class OpenAIServing:
                               "finish_reason": None}])
             if out.finished_reason:
                 finish = _FINISH.get(out.finished_reason["type"])
-                if funcs is not None and held[st.rid]:
-                    content, calls = tooling.parse_tool_calls(held[st.rid], funcs)
-                    if calls:
-                        yield chunk([{"index": st.index, "delta": {"tool_calls": [
-                            {"index": k, **c} for k, c in enumerate(calls)]}, "logprobs": None, "finish_reason": None}])
-                        finish = "tool_calls"
-                    if content:
-                        yield chunk([{"index": st.index, "delta": {"content": content}, "logprobs": None,
-                                      "finish_reason": None}])
+                content, calls = tooling.parse_tool_calls(held[st.rid], funcs) if funcs and held[st.rid] else (None, [])
+                if forced and not calls:  # the grammar forced a call, but the answer ended before it was whole
+                    yield sse(_call_incomplete(req.max_completion_tokens or req.max_tokens).to_dict())
+                    continue
+                if calls:
+                    yield chunk([{"index": st.index, "delta": {"tool_calls": [
+                        {"index": k, **c} for k, c in enumerate(calls)]}, "logprobs": None, "finish_reason": None}])
+                    finish = "tool_calls"
+                if content:
+                    yield chunk([{"index": st.index, "delta": {"content": content}, "logprobs": None,
+                                  "finish_reason": None}])
                 yield chunk([{"index": st.index, "delta": {}, "logprobs": None, "finish_reason": finish}])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=usage(states))

@@ -8,6 +8,7 @@ in the same tags, so the model sees one consistent format."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 # Imported at module level: a machine without jsonschema fails at start-up, not per schema request.
@@ -18,6 +19,7 @@ from radixlm.srt.constrained.tool_grammar import BEGIN, END
 from radixlm.srt.errors import InvalidRequest
 
 _MAX_TOOLS = 128
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], str, str | None]:
@@ -35,15 +37,18 @@ def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], str, str |
             raise InvalidRequest(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
                                  param=f"tools[{i}]")
         name = f.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise InvalidRequest(f"tools[{i}].function.name must be a non-empty string of at most 64 characters",
-                                 param=f"tools[{i}].function.name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise InvalidRequest(f"tools[{i}].function.name must be 1 to 64 letters, digits, underscores or dashes, "
+                                 f"got {name!r}", param=f"tools[{i}].function.name")
         if name in names:
             raise InvalidRequest(f"tools[{i}]: function name {name!r} appears twice", param=f"tools[{i}].function.name")
         params = f.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object",
+        # Arguments are a JSON object (OpenAI's contract, and what a call's `arguments` string decodes to): a schema
+        # of any other type could never be answered with a call.
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema of type \"object\"",
                                  param=f"tools[{i}].function.parameters")
+        params = {"type": "object", **params}
         if json_depth(params) > MAX_SCHEMA_DEPTH - 8:  # the call schema wraps it a few levels deeper
             raise InvalidRequest(f"tools[{i}].function.parameters nests deeper than {MAX_SCHEMA_DEPTH - 8} levels",
                                  param=f"tools[{i}].function.parameters")
