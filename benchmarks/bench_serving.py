@@ -59,6 +59,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # perf_counter at the start, then at each streamed chunk
     text: str = ""
+    finish_reason: str | None = None  # None after a whole stream: the stream was cut (its end never came)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -99,7 +100,7 @@ JSON_SCHEMA = {  # the --dataset json workload: a record of the usual field kind
         "role": {"enum": ["admin", "editor", "viewer"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
         "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                     "required": ["city", "zip"], "additionalProperties": False},
     },
     "required": ["name", "age", "active", "role", "tags", "address"],
@@ -110,6 +111,9 @@ JSON_SCHEMA = {  # the --dataset json workload: a record of the usual field kind
 async def one_request(session: aiohttp.ClientSession, args, spec: RequestSpec) -> RequestResult:
     body = {"model": args.model, "prompt": spec.prompt, "max_tokens": spec.output_len, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+    if args.no_stream:
+        body["stream"] = False
+        body.pop("stream_options")
     url = f"{args.base_url}/v1/completions"
     if args.dataset == "json":  # chat + response_format; the grammar ends the answer, so EOS stays allowed
         body.pop("prompt")
@@ -127,10 +131,22 @@ async def one_request(session: aiohttp.ClientSession, args, spec: RequestSpec) -
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                 return res
+            if args.no_stream:
+                data = json.loads(await r.read())
+                choice = data["choices"][0]
+                res.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
+                res.finish_reason = choice.get("finish_reason")
+                res.prompt_tokens = data["usage"]["prompt_tokens"]
+                res.output_tokens = data["usage"]["completion_tokens"]
+                res.e2e = res.ttft = time.perf_counter() - start
+                res.ok = True
+                return res
             async for raw in r.content:  # one line at a time; SSE events end with a blank line
                 if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                     continue
                 data = json.loads(raw[6:])
+                for c in data.get("choices") or []:
+                    res.finish_reason = c.get("finish_reason") or res.finish_reason
                 if data.get("usage"):
                     res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
                     res.output_tokens = data["usage"].get("completion_tokens", 0)
@@ -212,11 +228,16 @@ def wait_for_server(base_url: str, seconds: float) -> list[str]:
 
 
 def _valid_record(text: str) -> bool:
+    """The answer is JSON that validates against JSON_SCHEMA (with jsonschema where installed, else the keys)."""
     try:
         value = json.loads(text)
     except ValueError:
         return False
-    return isinstance(value, dict) and set(value) == set(JSON_SCHEMA["required"])
+    try:
+        import jsonschema
+    except ImportError:
+        return isinstance(value, dict) and set(value) == set(JSON_SCHEMA["required"])
+    return jsonschema.Draft202012Validator(JSON_SCHEMA).is_valid(value)
 
 
 def summarize(values: list[float]) -> dict:
@@ -246,6 +267,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait", type=float, default=120, help="seconds to wait for the server to come up")
+    ap.add_argument("--no-stream", action="store_true", help="whole answers instead of streams (no TTFT/ITL)")
     ap.add_argument("--abort-fraction", type=float, default=0.0,
                     help="share of requests whose client hangs up mid-stream (they count in no latency figure)")
     ap.add_argument("--out", default=None)
@@ -272,6 +294,11 @@ def main() -> None:
         "config": {k: v for k, v in vars(args).items() if k != "client_cpu"} | {"request_rate": str(args.request_rate)},
         "completed": len(ok), "aborted": sum(r.aborted for r in results),
         "valid_json": sum(_valid_record(r.text) for r in ok) if args.dataset == "json" else None,
+        # answers whose end never came: no chunk (or body) carried a finish_reason
+        "cut": sum(r.finish_reason is None for r in ok),
+        "finish_reasons": {k: sum(r.finish_reason == k for r in ok) for k in {r.finish_reason for r in ok}},
+        "invalid_examples": [r.text[:200] for r in ok if not _valid_record(r.text)][:3] if args.dataset == "json"
+        else None,
         "failed": sum(not r.ok and not r.aborted for r in results),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": duration,

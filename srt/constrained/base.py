@@ -45,6 +45,13 @@ class Matcher(ABC):
         """Text the grammar allows as the only continuation from here (jump-forward); '' if none."""
         return ""
 
+    @classmethod
+    def fill_masks(cls, rows: list[tuple["Matcher", int]], bitmask: torch.Tensor) -> None:
+        """fill_mask for many matchers of this class at once (a backend with a batched, multithreaded fill
+        overrides it)."""
+        for m, row in rows:
+            m.fill_mask(bitmask, row)
+
 
 class CompiledGrammar(ABC):
     @abstractmethod

@@ -61,23 +61,43 @@ _ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaxim
                "dependentSchemas", "dependencies", "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef"}
 
 
-def drop_unknown_formats(schema):
-    """A copy of `schema` without `format`s that JSON Schema does not define (annotations by the spec)."""
+def map_schemas(schema, fn):
+    """A copy of `schema` with `fn(node) -> node` applied to every schema object in it (subschemas first); values
+    (enum, const, default, examples, property names) are left alone."""
     if isinstance(schema, list):
-        return [drop_unknown_formats(x) for x in schema]
+        return [map_schemas(x, fn) for x in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "format" and isinstance(value, str) and value not in DEFINED_FORMATS:
-            continue
         if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: drop_unknown_formats(sub) for name, sub in value.items()}
-        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMA_ONE or key == "items":
-            out[key] = drop_unknown_formats(value)
+            out[key] = {name: map_schemas(sub, fn) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMA_ONE:
+            out[key] = map_schemas(value, fn)
         else:
-            out[key] = value  # enum, const, default, examples...: values, not schemas
-    return out
+            out[key] = value
+    return fn(out)
+
+
+def drop_unknown_formats(schema):
+    """A copy of `schema` without `format`s that JSON Schema does not define (annotations by the spec)."""
+    def drop(node: dict) -> dict:
+        fmt = node.get("format")
+        return {k: v for k, v in node.items() if k != "format"} if isinstance(fmt, str) and \
+            fmt not in DEFINED_FORMATS else node
+
+    return map_schemas(schema, drop)
+
+
+def anchor_patterns(schema):
+    """A copy of `schema` whose string `pattern`s must match the whole string. JSON Schema's patterns match
+    anywhere in it, so `[0-9]{5}` admits any text holding five digits, which a model may fill to its token
+    limit; xgrammar and outlines anchor patterns, and what an anchored pattern admits still validates."""
+    def anchor(node: dict) -> dict:
+        p = node.get("pattern")
+        return {**node, "pattern": f"^(?:{p})$"} if isinstance(p, str) else node
+
+    return map_schemas(schema, anchor)
 
 
 def unsupported_keyword(schema, backend: str) -> tuple[str, str, str] | None:

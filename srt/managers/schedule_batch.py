@@ -31,6 +31,7 @@ class ScheduledBatch:
     logits: torch.Tensor | None = None
     pending: object = None  # the runner's PendingSample
     future_base: int | None = None  # overlap: where the sampled ids went among the runner's futures
+    mask_future: object = None  # overlap: this batch's grammar mask, filling while the step before is processed
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,7 @@ class SchedulerGrammar:
             self.manager = GrammarManager(lazy, timeout=args.grammar_compile_timeout)
         self.queue: list[tuple[object, GrammarTicket]] = []  # (Req, ticket)
         self._mask = None
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
         self.jf_tokens = 0
         self.jf_events = 0
 
@@ -122,9 +123,23 @@ class SchedulerGrammar:
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     # --- masks ---------------------------------------------------------------------------------------------
-    def batch_mask(self, reqs: list, current: list[bool]) -> torch.Tensor | None:
+    def batch_mask(self, reqs: list, current: list[bool], started: concurrent.futures.Future | None = None
+                   ) -> torch.Tensor | None:
         """The [B, ceil(V / 32)] allowed-token bitmask on the device for a batch's sampled rows, or None when no
-        row is constrained. Rows of unconstrained or stale requests allow everything."""
+        row is constrained. Rows of unconstrained or stale requests allow everything. `started`: the same mask
+        already being filled (start_mask)."""
+        mask = started.result() if started is not None else self._fill(reqs, current)
+        return None if mask is None else to_device(mask, self.device)
+
+    def start_mask(self, reqs: list, current: list[bool]) -> concurrent.futures.Future:
+        """Fill a batch's mask on the mask thread (the backends' fills run without the GIL), while the scheduler
+        goes on with the rest of the step; batch_mask(started=...) takes the result. Only for matchers nothing
+        else moves meanwhile: not with jump-forward, which rewinds and advances them while a step is processed."""
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._filler.submit(self._fill, reqs, current)
+
+    def _fill(self, reqs: list, current: list[bool]) -> torch.Tensor | None:
         rows = [i for i, (r, cur) in enumerate(zip(reqs, current)) if cur and r.grammar is not None]
         if not rows:
             return None
@@ -133,9 +148,12 @@ class SchedulerGrammar:
             self._mask = allocate(max(n, 64), self.vocab_size, pin=self.device.type == "cuda")
         mask = self._mask[:n]
         mask.fill_(-1)
-        for i in rows:
-            reqs[i].grammar.fill_mask(mask, i)
-        return to_device(mask, self.device)
+        by_kind: dict[type, list] = {}
+        for i in rows:  # one batched fill per backend's matcher class
+            by_kind.setdefault(type(reqs[i].grammar), []).append((reqs[i].grammar, i))
+        for kind, pairs in by_kind.items():
+            kind.fill_masks(pairs, mask)
+        return mask
 
     def accept(self, req, token: int) -> bool:
         """Feed a sampled token to the request's matcher; True when the grammar is complete."""
@@ -181,3 +199,5 @@ class SchedulerGrammar:
     def shutdown(self) -> None:
         if self.manager is not None:
             self.manager.shutdown()
+        if self._filler is not None:
+            self._filler.shutdown(wait=False)

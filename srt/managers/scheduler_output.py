@@ -10,9 +10,11 @@ from radixlm.srt.managers.req import Req
 
 
 class SchedulerOutputMixin:
-    def _append_token(self, r: Req, sampled, i: int, ref: int | None = None) -> TokenOutput:
+    def _append_token(self, r: Req, sampled, i: int, ref: int | None = None,
+                      grammar_done: bool | None = None) -> TokenOutput:
         """`ref`: where the step put this token among the futures. A later step may already have sampled the
-        request's next token (sampling launched before this step was processed): its future stays pending."""
+        request's next token (sampling launched before this step was processed): its future stays pending.
+        `grammar_done`: the token was already accepted by the request's grammar (and whether that completed it)."""
         token = sampled.next_ids[i]
         r.output_ids.append(token)
         if r.pending_ref == ref:
@@ -30,7 +32,7 @@ class SchedulerOutputMixin:
                 r.output_top_logprobs += top
         new_ids, done = [token], False
         if r.grammar is not None:
-            done = self.grammar.accept(r, token)
+            done = self.grammar.accept(r, token) if grammar_done is None else grammar_done
             if not done:
                 jumped = self._jump_forward(r)
                 if jumped is not None:

@@ -1,6 +1,8 @@
 """The launched server (real processes, ZMQ, HTTP) through the official openai client and raw HTTP."""
 import concurrent.futures as cf
 import json
+import os
+import random
 import threading
 import time
 
@@ -234,6 +236,50 @@ def test_disconnected_streams_are_aborted(srv):
     stats = _server_info(srv)["scheduler"]
     assert stats["kv_free"] == stats["kv_total"]
     assert stats["aborted_requests"] >= 20
+
+
+def _scheduler_rss_mb(srv) -> float:
+    pid = _server_info(srv)["process_ids"]["scheduler"]
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_disconnect_soak_keeps_scheduler_memory_flat(srv):
+    """Hundreds of clients hanging up mid-answer at random points (waiting, prefilling a shared system prompt,
+    decoding): nothing stays behind. Each disconnect once leaked ~1.5 MB of the scheduler's host memory under the
+    overlap scheduler; after a warm-up round (caches and pools reach their working size) the scheduler's RSS stays
+    within a bound that 120 such leaks would far exceed."""
+    system = "You are a geography tutor who answers in detail. " * 8
+    rng = random.Random(0)
+
+    def cut(i):
+        body = {"model": "SmolLM2-135M-Instruct", "temperature": 0.8, "max_tokens": 32, "stream": True,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Tell me of city {i}."}]}
+        after = rng.randint(1, 6)
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{srv.url}/v1/chat/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got >= after:
+                    return True  # hangs up here
+        return False
+
+    def soak(n):
+        with cf.ThreadPoolExecutor(16) as pool:
+            return sum(pool.map(cut, range(n)))
+
+    soak(60)
+    _wait_idle(srv)
+    before = _scheduler_rss_mb(srv)
+    cuts = soak(160)
+    _wait_idle(srv)
+    grown = _scheduler_rss_mb(srv) - before
+    assert cuts >= 120, cuts
+    assert grown < 48, f"scheduler RSS grew {grown:.0f} MB over {cuts} disconnects"
+    assert _server_info(srv)["requests_in_flight"] == 0
+    assert httpx.post(f"{srv.url}/flush_cache", timeout=30).status_code == 200
+    stats = _server_info(srv)["scheduler"]
+    assert stats["kv_free"] == stats["kv_total"]
 
 
 def test_abort_request_endpoint(srv):
