@@ -407,7 +407,7 @@ class Scheduler(SchedulerOutputMixin):
     def _process(self, batch: ScheduledBatch, following: ScheduledBatch | None = None) -> list[TokenOutput]:
         """Read a step's tokens back and hand them to their requests. `following`: the batch launched after it
         (overlap), whose sampling waits for this step's tokens; its grammar mask is started as soon as they are
-        accepted (see _accept_grammars_first)."""
+        accepted (see SchedulerGrammar.accept_first)."""
         sampled, prompt_lps = batch.pending.wait()
         pos = 0
         for i, n in batch.lp_reqs:
@@ -415,7 +415,7 @@ class Scheduler(SchedulerOutputMixin):
                 batch.reqs[i].input_token_logprobs += list(zip(prompt_lps[pos : pos + n], batch.lp_next[pos : pos + n]))
             pos += n
         sample_index = {i: j for j, i in enumerate(batch.sample_pos)}
-        accepted = self._accept_grammars_first(batch, sampled, sample_index, following)
+        accepted = self.grammar.accept_first(batch, sampled.next_ids, sample_index, following)
         outputs = []
         for i, r in enumerate(batch.reqs):
             if not batch.is_current(i):
@@ -438,26 +438,6 @@ class Scheduler(SchedulerOutputMixin):
             elif batch.mode is ForwardMode.EXTEND and batch.extend_lens[i] > 1:
                 self._publish_prefix(r)  # share the prompt with others while this request decodes
         return outputs
-
-    def _accept_grammars_first(self, batch: ScheduledBatch, sampled, sample_index: dict[int, int],
-                               following: ScheduledBatch | None) -> dict[int, bool]:
-        """Under overlap, the next batch samples once this step's tokens are accepted by their grammars, and its
-        mask is on the host's critical path: between this step's tokens reaching the host and the next forward's
-        launch. So the constrained requests accept their tokens first, the next batch's mask fills on the mask
-        thread while the rest of this step is processed, and its sampling takes the mask when it is launched.
-        Returns {index in batch: the grammar is complete} for the tokens accepted here."""
-        if following is None or self.grammar.jump_forward or \
-                not any(r.grammar is not None for r in following.sample_reqs):
-            return {}
-        done = {}
-        for i, r in enumerate(batch.reqs):
-            j = sample_index.get(i)
-            if j is not None and r.grammar is not None and batch.is_current(i):
-                done[i] = self.grammar.accept(r, sampled.next_ids[j])
-        # Rows of requests this step finishes are filled too; their tokens are dropped with the stale rows.
-        following.mask_future = self.grammar.start_mask(following.sample_reqs,
-                                                        [following.is_current(i) for i in following.sample_pos])
-        return done
 
     def _publish_prefix(self, r: Req) -> None:
         """Put the request's computed tokens into the tree so others can share them while it runs."""

@@ -155,6 +155,25 @@ class SchedulerGrammar:
             kind.fill_masks(pairs, mask)
         return mask
 
+    def accept_first(self, batch, next_ids: list[int], sample_index: dict[int, int], following) -> dict[int, bool]:
+        """Under overlap, the batch launched after `batch` samples once `batch`'s tokens are accepted by their
+        grammars, so its mask lies on the host's critical path (from those tokens reaching the host to the next
+        forward's launch). Here the constrained requests of `batch` accept their tokens first and `following`'s
+        mask starts filling on the mask thread, while the rest of `batch` is processed; its sampling takes the
+        mask when it is launched. Returns {index in batch: the grammar is complete} for the tokens accepted here
+        (none when `following` has no constrained row, or with jump-forward: see start_mask)."""
+        if following is None or self.jump_forward or not any(r.grammar is not None for r in following.sample_reqs):
+            return {}
+        done = {}
+        for i, r in enumerate(batch.reqs):
+            j = sample_index.get(i)
+            if j is not None and r.grammar is not None and batch.is_current(i):
+                done[i] = self.accept(r, next_ids[j])
+        # Rows of requests this step finishes are filled too; their tokens are dropped with the stale rows.
+        following.mask_future = self.start_mask(following.sample_reqs,
+                                                [following.is_current(i) for i in following.sample_pos])
+        return done
+
     def accept(self, req, token: int) -> bool:
         """Feed a sampled token to the request's matcher; True when the grammar is complete."""
         m = req.grammar
