@@ -96,6 +96,16 @@ def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     return lib
 
 
+def describe() -> str:
+    """Which CPU kernels run, for the start-up log."""
+    lib = load()
+    if lib is None:
+        return "torch ops (no C compiler)"
+    if lib.q4_gemm_available():
+        return "our C kernels (AVX-512 BF16)"
+    return "our C kernels (AVX-512)" if lib.q8_gemm_avx512() else "our C kernels (portable: no AVX-512)"
+
+
 def _check(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not (t.is_cpu and t.is_contiguous()):

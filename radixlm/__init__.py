@@ -14,11 +14,16 @@ if _os.path.isfile(_os.path.join(_root, "srt", "__init__.py")) and _root not in 
 
 __version__ = "0.1.0"
 
+# Before anything imports torch: OpenMP reads its wait policy once, when it loads (see srt/cpu_threads.py).
+from radixlm.srt.cpu_threads import set_wait_policy_default as _set_wait_policy_default  # noqa: E402
+
+_set_wait_policy_default()
+
 _LANG = ("Backend", "EngineBackend", "LangError", "OpenAI", "ProgramState", "Runtime", "RuntimeEndpoint",
-         "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
-         "get_default_backend", "greedy_token_selection", "image", "select", "set_default_backend", "system",
-         "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
-         "user_begin", "user_end")
+         "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
+         "get_default_backend", "get_server_info", "global_config", "greedy_token_selection", "image", "select",
+         "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+         "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video")
 __all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__", *_LANG]
 
 

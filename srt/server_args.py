@@ -25,9 +25,10 @@ class ServerArgs:
     load_format: str = _opt("auto", "auto: read the checkpoint; dummy: random weights from config.json (benchmarks)",
                             ("auto", "dummy"))
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto")
-    quantization: str = _opt("none", "none: weights dequantized to --dtype; gguf: keep a GGUF file's Q4_0/Q4_1 "
-                             "linear weights 4-bit in memory and run them through torch's int4 matmul in bf16 "
-                             "(CPU only; the output projection runs as two bf16 GEMMs)", QUANTIZATION_METHODS)
+    quantization: str = _opt("auto", "auto: gguf for a GGUF file with Q4 linears on a CPU with AVX-512 BF16 "
+                             "(our Q4 kernel), else none; none: weights dequantized to --dtype; gguf: keep a "
+                             "GGUF file's Q4_0/Q4_1 linear weights 4-bit in memory (our kernel, else torch's "
+                             "int4 op; CPU only)", QUANTIZATION_METHODS)
     context_length: int | None = _opt(None, "override the model's maximum context length")
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP

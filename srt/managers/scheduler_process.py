@@ -59,7 +59,8 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
     ready.send({"status": "ready", "context_length": runner.context_length, "max_total_tokens": runner.max_total_tokens,
                 "max_running_requests": runner.max_running_requests, "vocab_size": runner.vocab_size,
                 "eos_token_ids": loaded.config.eos_token_ids, "device": str(runner.device), "dtype": str(runner.dtype),
-                "architecture": loaded.config.architecture, "load_seconds": loaded.load_seconds, "pid": os.getpid()})
+                "architecture": loaded.config.architecture, "load_seconds": loaded.load_seconds, "pid": os.getpid(),
+                "quantization": loaded.quantization})
     try:
         loop.run()
     except Exception:

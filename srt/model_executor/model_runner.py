@@ -13,6 +13,7 @@ import torch
 from radixlm.srt.layers.attention import create_backend, resolve_backend
 from radixlm.srt.layers.ops import select_kernel_ops, tune_skinny_linears
 from radixlm.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, unpack_sample
+from radixlm.srt.cpu_threads import configure_cpu_forward
 from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
 from radixlm.srt.model_executor.host_transfer import HostStaging, PendingCopy
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _CPU_KV_MEMORY_FRACTION = 0.2  # of MemAvailable
 _CPU_MAX_KV_TOKENS = 65536
+_CPU_KV_CONTEXTS = 2  # a CPU pool holds two full-length requests by default (decode there is slow past that)
 _DEFAULT_GPU_MEM_FRACTION = 0.85
 
 
@@ -82,10 +84,17 @@ class ModelRunner:
         # Sampled ids that later steps read before the host has seen them (overlap scheduling).
         self.future_map = torch.zeros(4 * self.max_running_requests + 64, dtype=torch.int64, device=self.device)
         self._future_next = 0
-        logger.info("KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s%s",
+        if self.device.type == "cpu":
+            logger.info("CPU forward: %s", configure_cpu_forward())
+        if self.cpu_path:
+            from radixlm.kernels import cpu as cpu_kernels
+
+            kernels = f"a flat CPU layer loop on {cpu_kernels.describe()}"
+        else:
+            kernels = self.kernel_ops.name
+        logger.info("KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s",
                     self.max_total_tokens, self.max_total_tokens * bytes_per_token / 1e9,
-                    self.max_running_requests, self.attn_backend_name, self.kernel_ops.name,
-                    " (flat CPU layer loop)" if self.cpu_path else "")
+                    self.max_running_requests, self.attn_backend_name, kernels)
         self.graph_runner = None
         self.piecewise_runner = None
         self.extend_runner = None  # whole graphs for extend batches (ExtendGraphRunner)
@@ -153,8 +162,11 @@ class ModelRunner:
             if budget <= 0:
                 raise ValueError(f"mem_fraction_static={fraction} leaves no room for the KV cache after the weights")
             return int(budget // bytes_per_token)
-        tokens = int(_mem_available_bytes() * _CPU_KV_MEMORY_FRACTION // bytes_per_token)
-        return max(1024, min(tokens, _CPU_MAX_KV_TOKENS))
+        # Sized to the model: a CPU serves a few requests at a time, and a pool sized to the machine alone would
+        # give a 135M model gigabytes it never fills (the radix cache keeps what is there, so it does fill).
+        by_memory = int(_mem_available_bytes() * _CPU_KV_MEMORY_FRACTION // bytes_per_token)
+        by_model = _CPU_KV_CONTEXTS * (self.context_length + 1)
+        return max(1024, min(by_memory, by_model, _CPU_MAX_KV_TOKENS))
 
     # --- forward -----------------------------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch, piecewise: bool = True) -> torch.Tensor:

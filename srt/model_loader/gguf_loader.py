@@ -164,7 +164,8 @@ class GGUFCheckpoint:
 
     def weights(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`; HF names in `skip` are left out."""
-        for t in tqdm(self.tensors, desc="Loading GGUF weights", unit="tensor", leave=False):
+        for t in tqdm(self.tensors, desc="Loading GGUF weights", unit="tensor", leave=False,
+                      disable=not logger.isEnabledFor(logging.INFO)):  # quiet at --log-level warning
             name = _hf_name(t.name)
             if name is None:
                 logger.warning("skipping unknown GGUF tensor %s", t.name)
@@ -173,6 +174,11 @@ class GGUFCheckpoint:
                 continue
             array = self._rows_for_rope(name, self.gguf.dequantize(t.data, t.tensor_type))
             yield name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+
+    def has_q4_weights(self) -> bool:
+        """Whether any 2-D linear weight is Q4_0/Q4_1 (what --quantization gguf keeps packed)."""
+        q4 = (self.gguf.GGMLQuantizationType.Q4_0, self.gguf.GGMLQuantizationType.Q4_1)
+        return any(t.tensor_type in q4 and len(t.shape) == 2 and _hf_name(t.name) is not None for t in self.tensors)
 
     def q4_weights(self) -> Iterator[tuple[str, "Q4Blocks"]]:
         """Yield (HF name, blocks) for the 2-D Q4_0/Q4_1 tensors, still quantized, rows in our layout."""

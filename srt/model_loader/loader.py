@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from radixlm.srt.errors import ModelLoadError
+from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.quantization import QUANTIZATION_METHODS, load_gguf_quantized
 from radixlm.srt.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
@@ -50,6 +51,7 @@ class LoadedModel:
     model_path: str
     served_model_name: str
     load_seconds: float
+    quantization: str = "none"  # the method used (auto resolved)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,7 +94,7 @@ def open_checkpoint(model_path: str | None, dummy: bool = False) -> tuple[GGUFCh
 
 def load_model(model_path: str | None = None, *, tokenizer_path: str | None = None, dtype: str = "auto",
                device: str = "auto", context_length: int | None = None, served_model_name: str | None = None,
-               load_format: str = "auto", quantization: str = "none") -> LoadedModel:
+               load_format: str = "auto", quantization: str = "auto") -> LoadedModel:
     start = time.perf_counter()
     ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
     config = ckpt.config
@@ -104,7 +106,7 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
         config = dataclasses.replace(config, context_length=context_length)
     dev = resolve_device(device)
     run_dtype = resolve_dtype(dtype, config, dev)
-    _check_quantization(quantization, ckpt, dev, load_format)
+    quantization = resolve_quantization(quantization, ckpt, dev, load_format)
     model_cls = MODEL_REGISTRY[config.architecture]
     old_default = torch.get_default_dtype()
     torch.set_default_dtype(run_dtype)
@@ -128,7 +130,8 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
     logger.info("loaded %s (%s, %s on %s, quantization %s) in %.1f s", name, config.architecture, run_dtype, dev,
                 quantization, seconds)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, device=dev, dtype=run_dtype,
-                       model_path=resolved, served_model_name=served_model_name or name, load_seconds=seconds)
+                       model_path=resolved, served_model_name=served_model_name or name, load_seconds=seconds,
+                       quantization=quantization)
 
 
 def _trim_heap() -> None:
@@ -140,18 +143,27 @@ def _trim_heap() -> None:
         pass
 
 
-def _check_quantization(quantization: str, ckpt, device: torch.device, load_format: str) -> None:
+def resolve_quantization(quantization: str, ckpt, device: torch.device, load_format: str) -> str:
+    """The method the load uses. auto keeps a GGUF file's Q4 linears packed where our Q4 kernel runs them (a CPU
+    with AVX-512 BF16: several times the fp32 path's decode speed, an eighth of its memory); elsewhere torch's
+    int4 op would be the one to run them, which is no faster than fp32 on CPUs without AVX-512, so auto
+    dequantizes (gguf still asks for it)."""
+    is_gguf = isinstance(ckpt, GGUFCheckpoint) and load_format != "dummy"
+    if quantization == "auto":
+        fast = device.type == "cpu" and is_gguf and ckpt.has_q4_weights() and cpu_kernels.q4_available()
+        return "gguf" if fast else "none"
     if quantization == "none":
-        return
+        return quantization
     if quantization != "gguf":
         raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}",
                              param="quantization")
-    if not isinstance(ckpt, GGUFCheckpoint) or load_format == "dummy":
+    if not is_gguf:
         raise ModelLoadError("quantization=gguf keeps a GGUF file's quantized weights: it needs a .gguf "
                              f"checkpoint, but {ckpt.path} is not one", param="quantization")
     if device.type != "cpu":
         raise ModelLoadError(f"quantization=gguf runs through torch's int4 CPU matmul and supports only the cpu "
                              f"device so far, not {device}", param="quantization")
+    return quantization
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
-"""--quantization gguf: the embedded SmolLM2's Q4_1 linears kept 4-bit (torch int4 CPU matmul) against the
-dequantized fp32 path."""
+"""--quantization gguf: the embedded SmolLM2's Q4_1 linears kept 4-bit (our Q4 kernel, else torch's int4 CPU
+matmul) against the dequantized fp32 path; --quantization auto (the default) picks gguf where our kernel runs."""
 import dataclasses
 
 import numpy as np
@@ -13,7 +13,7 @@ from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.quantization.gguf_int4 import GROUP, Int4Linear, Q4Blocks, Q4DotLinear, scales_and_zeros
 from radixlm.srt.model_loader.default_model import default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
-from radixlm.srt.model_loader.loader import _check_quantization
+from radixlm.srt.model_loader.loader import resolve_quantization
 from radixlm.srt.server_args import ServerArgs
 from tests.helpers import forward_logits, make_tiny_checkpoint
 from tests.srt.test_model_correctness import PROMPT_IDS
@@ -23,8 +23,14 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List
 
 @pytest.fixture(scope="module")
 def fp32_engine(smol_engine):
-    """The session's default-model engine (dequantized fp32): the reference every figure here is against."""
-    return smol_engine
+    """The default model dequantized to fp32: the reference every figure here is against (the session's engine
+    where auto resolved to none, else one of its own)."""
+    if smol_engine.loaded.quantization == "none":
+        yield smol_engine
+        return
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=2048, quantization="none")
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +139,26 @@ def test_gguf_quantization_needs_a_gguf_checkpoint_on_cpu(tmp_path):
         ServerArgs(quantization="awq")
     ckpt = GGUFCheckpoint(default_model_path())
     with pytest.raises(ModelLoadError, match="only the cpu device"):
-        _check_quantization("gguf", ckpt, torch.device("cuda"), "auto")
+        resolve_quantization("gguf", ckpt, torch.device("cuda"), "auto")
+
+
+def test_auto_keeps_q4_blocks_where_our_kernel_runs_them(tmp_path, smol_engine):
+    """auto is gguf exactly for a Q4 GGUF on a CPU our Q4 kernel runs on; none for the rest (an HF checkpoint,
+    dummy weights, another device). The session's default engine is what auto chose here."""
+    ckpt = GGUFCheckpoint(default_model_path())
+    assert ckpt.has_q4_weights()
+    cpu = torch.device("cpu")
+    expected = "gguf" if cpu_kernels.q4_available() else "none"
+    assert resolve_quantization("auto", ckpt, cpu, "auto") == expected
+    assert smol_engine.server_args.quantization == "auto"
+    assert smol_engine.loaded.quantization == expected
+    assert resolve_quantization("auto", ckpt, cpu, "dummy") == "none"
+    assert resolve_quantization("auto", ckpt, torch.device("cuda"), "auto") == "none"
+    hf = make_tiny_checkpoint(tmp_path / "m", "llama")
+    from radixlm.srt.model_loader.loader import open_checkpoint
+
+    assert resolve_quantization("auto", open_checkpoint(str(hf))[0], cpu, "auto") == "none"
+    assert resolve_quantization("none", ckpt, cpu, "auto") == "none"
 
 
 def test_gguf_header_cache_reads_what_the_parser_does(tmp_path, monkeypatch):

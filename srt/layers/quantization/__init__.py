@@ -1,5 +1,6 @@
 """Weights kept quantized in memory (`--quantization`, names as in SGLang).
 
+auto: gguf for a GGUF checkpoint with Q4 linears on a CPU our Q4 kernel runs on (AVX-512 BF16), else none.
 none: every weight dequantized to the run dtype (the reference path).
 gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit (gguf_int4.py) and run through our C kernel
       on AVX-512 BF16 (kernels/cpu_kernels.c), else torch's int4 CPU matmul; a Q8_0 embedding keeps its
@@ -21,7 +22,7 @@ from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, Q4Blocks, Q4Do
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("none", "gguf")
+QUANTIZATION_METHODS = ("auto", "none", "gguf")
 
 
 def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
