@@ -13,6 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # near-ties (0.08 nats between its two likeliest first answer tokens) that bf16 rounding can flip.
 TEST_DTYPE = os.environ.get("RADIXLM_TEST_DTYPE", "auto")
 
+import radixlm  # noqa: E402,F401 - first, as users import it: OpenMP's passive wait is set before torch loads it
+
 try:  # without a GPU, Triton kernels run in its interpreter; this must be set before they are imported
     import torch
 
