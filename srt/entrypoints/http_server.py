@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.srt.entrypoints.openai.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
-                                                     GenerateRequest)
+                                                     GenerateRequest, request_error)
 from radixlm.srt.entrypoints.openai.serving import (SSE_DONE, JSONResponse, OpenAIServing, RequestFailed,
                                                     raise_if_failed, sse)
 from radixlm.srt.errors import InvalidRequest, RadixLMError
@@ -72,14 +72,24 @@ async def read_json(request: Request, limit: int):
 
 
 def parse(model: type[BaseModel], data) -> BaseModel:
+    """The body as `model`; an unknown or unsupported field, or a bad value, is a 400 naming it (protocol.py)."""
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object", param=None)
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequest(f"{loc}: {err['msg']}", param=loc or None) from None
+        raise request_error(model, e) from None
+
+
+def logprobs_with_text(meta: dict, decode: Callable[[int], str]) -> dict:
+    """SGLang's return_text_in_logprobs: each (logprob, token id) entry of meta_info gains the token's text."""
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if key in meta:
+            meta[key] = [(lp, tid, decode(tid)) for lp, tid in meta[key]]
+    if "output_top_logprobs" in meta:
+        meta["output_top_logprobs"] = [None if top is None else [(lp, tid, decode(tid)) for lp, tid in top]
+                                       for top in meta["output_top_logprobs"]]
+    return meta
 
 
 class _Guard:
@@ -227,6 +237,8 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         many = batched or len(states) > 1
 
         def item(st, text: str, output_ids: list[int], meta: dict):
+            if req.return_text_in_logprobs:
+                meta = logprobs_with_text(meta, lambda tid: tm.tokenizer.decode([tid]))
             out = {"text": text, "output_ids": output_ids, "meta_info": meta}
             if many:
                 out["index"] = st.index

@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixlm.srt.constrained.vocab import token_bytes
 from radixlm.srt.entrypoints.openai import tools as tooling
-from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
 from radixlm.srt.errors import GrammarError, InvalidRequest, RadixLMError
 from radixlm.srt.managers.request_prep import PreparedInput, check_text
 from radixlm.srt.managers.tokenizer_manager import ReqState, TokenizerManager
@@ -148,7 +148,8 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, request):
         self._check_model(req.model)
         if req.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
+            raise UnsupportedField("suffix is not supported: insertion (text after the answer) is not implemented",
+                                   param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequest("best_of must equal n (beam-style best_of is not supported)", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= _MAX_TOP_LOGPROBS:
@@ -261,15 +262,19 @@ class OpenAIServing:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     texts.append(part["text"])
+                elif kind == "refusal" and m.role == "assistant" and isinstance(part.get("refusal"), str):
+                    texts.append(part["refusal"])  # what the assistant said, as the model should see it
                 elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
-                    raise InvalidRequest(f"{where}.content[{j}]: this model takes text only ({kind} parts are not "
-                                         "supported)", param=f"{where}.content")
+                    raise UnsupportedField(f"{where}.content[{j}] is not supported: this model takes text only "
+                                           f"({kind} parts)", param=f"{where}.content[{j}]")
                 else:
                     raise InvalidRequest(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}}",
                                          param=f"{where}.content")
             content = "".join(texts)
         else:
             content = m.content
+        if m.refusal:  # an earlier answer's refusal (OpenAI returns it beside a null content): what it said
+            content = f"{content}\n{m.refusal}" if content else m.refusal
         if m.role == "tool" and not (isinstance(m.tool_call_id, str) and m.tool_call_id):
             raise InvalidRequest(f"{where}.tool_call_id is required on tool messages (the id of the call it answers)",
                                  param=f"{where}.tool_call_id")
@@ -292,6 +297,8 @@ class OpenAIServing:
             raise InvalidRequest(f"{where}.content must not be null", param=f"{where}.content")
         check_text(content or "", f"{where}.content")
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name  # for templates that render it
         if calls:
             msg["tool_calls"] = [{"type": "function", "function": c} for c in calls] if own_template else calls
         if m.role == "tool" and m.tool_call_id:
