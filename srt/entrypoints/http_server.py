@@ -174,6 +174,7 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
                 "tokenizer_path": info.get("tokenizer_path"), "is_generation": True,
                 "architecture": info["architecture"], "context_length": info["context_length"],
                 "vocab_size": info["vocab_size"], "dtype": info["dtype"], "device": info["device"],
+                "quantization": info.get("quantization"),
                 # the frontend language renders role blocks with it, as the chat route does
                 "chat_template": getattr(tm.tokenizer, "chat_template", None)}
 

@@ -415,7 +415,9 @@ class Scheduler(SchedulerOutputMixin):
                 batch.reqs[i].input_token_logprobs += list(zip(prompt_lps[pos : pos + n], batch.lp_next[pos : pos + n]))
             pos += n
         sample_index = {i: j for j, i in enumerate(batch.sample_pos)}
-        accepted = self.grammar.accept_first(batch, sampled.next_ids, sample_index, following)
+        # No sampled rows (prompt chunks, max_new_tokens=0 only): nothing to accept, nothing sampled to read.
+        accepted = (self.grammar.accept_first(batch, sampled.next_ids, sample_index, following)
+                    if sampled is not None else {})
         outputs = []
         for i, r in enumerate(batch.reqs):
             if not batch.is_current(i):
