@@ -1,141 +1,83 @@
-"""The public language: `@function`, the primitives, role helpers and the default backend.
+"""The public language: the primitives, role helpers, the default backend and server calls.
 
-Written so that a program for SGLang's frontend runs after `import radixlm as sgl`.
+Written so that a program for SGLang's frontend runs after `import radixlm as sgl`: `gen`, `gen_int`,
+`gen_string` and `select` take SGLang's arguments in SGLang's positional order; radixlm's extras are
+keyword-only after them.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
-from radixlm.lang.backend.base import Backend, LangError
-from radixlm.lang.interpreter import ProgramState
-from radixlm.lang.ir import (Gen, Image, Role, RoleBegin, RoleEnd, Select, token_length_normalized)
-
-# sampling keywords `run`/`run_batch` take as defaults for every gen of the program
-_SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
-                  "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "seed"}
-_default_backend: Backend | None = None
+from radixlm.lang.backend.base import Backend
+from radixlm.lang.function import SglFunction, as_backend, function  # noqa: F401  (re-exported)
+from radixlm.lang.global_config import global_config
+from radixlm.lang.ir import Gen, Image, Role, RoleBegin, RoleEnd, Select, token_length_normalized
 
 
 def set_default_backend(backend) -> None:
     """The backend programs use when `run` is given none: a Backend, or a radixlm.Engine to run in-process."""
-    global _default_backend
-    _default_backend = as_backend(backend)
+    global_config.default_backend = backend
 
 
 def get_default_backend() -> Backend | None:
-    return _default_backend
+    return global_config.default_backend
 
 
-def as_backend(backend) -> Backend:
-    if backend is None:
-        if _default_backend is None:
-            raise LangError("no backend: pass backend=... to run(), or call set_default_backend(...) first")
-        return _default_backend
-    if isinstance(backend, Backend):
-        return backend
-    if type(backend).__name__ == "Engine" and hasattr(backend, "add_request"):
-        from radixlm.lang.backend.native import EngineBackend
-
-        return EngineBackend(backend)
-    raise LangError(f"not a backend: {type(backend).__name__} (use RuntimeEndpoint, Runtime, OpenAI or an Engine)")
+def flush_cache(backend=None) -> bool:
+    """Empty the server's prefix cache; False when there is no backend or requests are still running."""
+    backend = backend or global_config.default_backend
+    return False if backend is None else as_backend(backend).flush_cache()
 
 
-class SglFunction:
-    """A program: `prog.run(...)` runs it once, `prog.run_batch([...])` many at once."""
-
-    def __init__(self, func, num_api_spec_tokens=None):
-        self.func = func
-        self.__name__ = getattr(func, "__name__", "program")
-        self.__doc__ = func.__doc__
-
-    def __call__(self, *args, **kwargs):
-        return self.run(*args, **kwargs)
-
-    def _split(self, kwargs: dict) -> tuple[dict, dict]:
-        sampling = {k: v for k, v in kwargs.items() if k in _SAMPLING_KEYS and v is not None}
-        sampling.setdefault("max_new_tokens", 128)
-        return {k: v for k, v in kwargs.items() if k not in _SAMPLING_KEYS}, sampling
-
-    def _execute(self, state: ProgramState, args, kwargs) -> None:
-        try:
-            state.ret_value = self.func(state, *args, **kwargs)
-            state.sync()
-        except BaseException as e:
-            if state.error is None:
-                state.error = e
-        finally:
-            state._mark_finished()
-
-    def run(self, *args, backend=None, stream: bool = False, **kwargs) -> ProgramState:
-        """Run the program; with stream=True return at once and follow it with `state.text_iter()`."""
-        program_kwargs, sampling = self._split(kwargs)
-        state = ProgramState(as_backend(backend), sampling, stream=stream)
-        if stream:
-            import threading
-
-            threading.Thread(target=self._execute, args=(state, args, program_kwargs), daemon=True).start()
-            return state
-        self._execute(state, args, program_kwargs)
-        if state.error is not None:
-            raise state.error
-        return state
-
-    def run_batch(self, batch_kwargs: list[dict], *, backend=None, num_threads="auto", progress_bar: bool = False,
-                  **sampling_kwargs) -> list[ProgramState]:
-        """Run the program once per dict of arguments, concurrently. A program that fails has its error on
-        its state (`state.error`); the others are unaffected."""
-        if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(k, dict) for k in batch_kwargs):
-            raise LangError("run_batch takes a list of dicts of program arguments")
-        be = as_backend(backend)
-        if num_threads == "auto":
-            num_threads = max(1, min(64, len(batch_kwargs), 4 * (os.cpu_count() or 1)))
-        states = []
-        for kw in batch_kwargs:
-            program_kwargs, sampling = self._split({**sampling_kwargs, **kw})
-            states.append((ProgramState(be, sampling), program_kwargs))
-        bar = None
-        if progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(states), desc=self.__name__)
-        with ThreadPoolExecutor(max_workers=num_threads) as pool:
-            futures = [pool.submit(self._execute, st, (), kw) for st, kw in states]
-            for f in futures:
-                f.result()
-                if bar:
-                    bar.update(1)
-        if bar:
-            bar.close()
-        return [st for st, _ in states]
+def get_server_info(backend=None) -> dict | None:
+    backend = backend or global_config.default_backend
+    return None if backend is None else as_backend(backend).get_server_info()
 
 
-def function(func=None, *, num_api_spec_tokens=None):
-    """`@function` (or `@function()`): turn `def prog(s, ...)` into a runnable program."""
-    if func is None:
-        return lambda f: SglFunction(f, num_api_spec_tokens)
-    return SglFunction(func, num_api_spec_tokens)
+def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,
+        n: int | None = None, stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None, temperature: float | None = None, top_p: float | None = None,
+        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
+        presence_penalty: float | None = None, ignore_eos: bool | None = None, return_logprob: bool | None = None,
+        logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None, dtype=None, choices: list[str] | None = None,
+        choices_method=None, regex: str | None = None, json_schema=None, *,
+        repetition_penalty: float | None = None, seed: int | None = None) -> Gen:
+    """Generate into variable `name`. `dtype` (int, float, str, bool) constrains the text to SGLang's pattern
+    for it (ir.REGEX_*); `choices` makes it a select."""
+    # (a regex is checked by the server, whose grammar engines accept more than Python's `re`)
+    return Gen(name=name, max_tokens=max_tokens, min_tokens=min_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids,
+               stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+               frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+               repetition_penalty=repetition_penalty, ignore_eos=ignore_eos, seed=seed, return_logprob=return_logprob,
+               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+               return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex, json_schema=json_schema,
+               choices=choices, choices_method=choices_method or token_length_normalized)
 
 
-def gen(name: str | None = None, max_tokens: int | None = None, stop=None, temperature: float | None = None,
-        top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-        frequency_penalty: float | None = None, presence_penalty: float | None = None,
-        ignore_eos: bool | None = None, regex: str | None = None, json_schema=None, choices=None,
-        choices_method=token_length_normalized, **more) -> Gen:
-    unknown = set(more) - {"min_tokens", "stop_token_ids", "repetition_penalty", "seed"}
-    if unknown:
-        raise LangError(f"gen() got unknown argument(s): {', '.join(sorted(unknown))}")
-    return Gen(name, max_tokens, more.get("min_tokens"), stop, more.get("stop_token_ids"), temperature, top_p, top_k,
-               min_p, frequency_penalty, presence_penalty, more.get("repetition_penalty"), ignore_eos,
-               more.get("seed"), regex, json_schema, choices, choices_method)
+def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None, stop=None,
+            stop_token_ids: list[int] | None = None, stop_regex=None, temperature: float | None = None,
+            top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+            frequency_penalty: float | None = None, presence_penalty: float | None = None,
+            ignore_eos: bool | None = None, return_logprob: bool | None = None, logprob_start_len: int | None = None,
+            top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None, *,
+            min_tokens: int | None = None, repetition_penalty: float | None = None, seed: int | None = None) -> Gen:
+    """An integer: `gen(dtype=int)`, which ends at the first space or newline."""
+    return gen(name, max_tokens, min_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p,
+               frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num,
+               return_text_in_logprobs, int, repetition_penalty=repetition_penalty, seed=seed)
 
 
-def gen_int(name: str | None = None, **kwargs) -> Gen:
-    return gen(name, regex=r"-?\d+", **kwargs)
-
-
-def gen_string(name: str | None = None, **kwargs) -> Gen:
-    return gen(name, regex=r'"[^"\n]*"', **kwargs)
+def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None, stop=None,
+               stop_token_ids: list[int] | None = None, stop_regex=None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               frequency_penalty: float | None = None, presence_penalty: float | None = None,
+               ignore_eos: bool | None = None, return_logprob: bool | None = None,
+               logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+               return_text_in_logprobs: bool | None = None, *, min_tokens: int | None = None,
+               repetition_penalty: float | None = None, seed: int | None = None) -> Gen:
+    """A double-quoted string of word characters and spaces: `gen(dtype=str)`."""
+    return gen(name, max_tokens, min_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p,
+               frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num,
+               return_text_in_logprobs, str, repetition_penalty=repetition_penalty, seed=seed)
 
 
 def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
@@ -148,7 +90,12 @@ def image(path: str) -> Image:
     return Image(path)
 
 
-def _role(role: str, content) -> Role | RoleBegin:
+def video(path: str, num_frames: int) -> Image:
+    """Video input: radixlm serves text-only models, so a program that appends one fails with a clear error."""
+    return Image(f"{path} (video, {num_frames} frames)")
+
+
+def _role(role: str, content) -> Role:
     return Role(role, [content])
 
 

@@ -5,6 +5,9 @@ given no prompt); a method returns the index of the choice it picks and the per-
 """
 from __future__ import annotations
 
+import math
+import random
+
 from radixlm.lang.ir import ChoicesMethod
 
 
@@ -43,3 +46,19 @@ def _greedy(cond: list[list[float]]) -> int:
         alive = [i for i in with_token if cond[i][pos] == best]
         pos += 1
     return alive[0]
+
+
+def sample(scores: list[float], temperature: float, rng: random.Random) -> int:
+    """A choice drawn in proportion to exp(score / temperature): select(temperature > 0)."""
+    top = max(scores)
+    weights = [math.exp((s - top) / temperature) for s in scores]
+    return rng.choices(range(len(scores)), weights=weights)[0]
+
+
+def after_prefix(prefix: list, full: list) -> int:
+    """Where a choice's own tokens start in `full` (prefix + choice): at the first token that differs from the
+    prefix tokenized alone, since the tokenizer may merge the prefix's last token with the choice's first."""
+    k = 0
+    while k < len(prefix) and k < len(full) and full[k] == prefix[k]:
+        k += 1
+    return k

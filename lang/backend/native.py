@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from collections.abc import Iterator
 
 from radixlm.lang import choices as choice_scoring
@@ -27,6 +26,27 @@ def _check_finished(item: dict) -> dict:
 def _result(item: dict) -> GenResult:
     meta = dict(item.get("meta_info") or {})
     return GenResult(item.get("text", ""), meta)
+
+
+_LOGPROB_LISTS = ("input_token_logprobs", "output_token_logprobs")
+_TOP_LOGPROB_LISTS = ("input_top_logprobs", "output_top_logprobs")
+
+
+def with_token_texts(item: dict, decode) -> dict:
+    """SGLang's `return_text_in_logprobs`: every (logprob, token id) in the meta info gains the token's text.
+    (The server does the same for /generate; this is for the in-process Engine.)"""
+    meta = item.get("meta_info") or {}
+
+    def entry(e):
+        return (*e[:2], decode(e[1])) if isinstance(e, (list, tuple)) and len(e) == 2 else e
+
+    for key in _LOGPROB_LISTS:
+        if meta.get(key):
+            meta[key] = [entry(e) for e in meta[key]]
+    for key in _TOP_LOGPROB_LISTS:
+        if meta.get(key):
+            meta[key] = [None if top is None else [entry(e) for e in top] for top in meta[key]]
+    return item
 
 
 class NativeBackend(Backend):
@@ -53,13 +73,28 @@ class NativeBackend(Backend):
             self._markers = role_markers(template, **special)
         return self._markers
 
+    def _count(self, items: list[dict]) -> None:
+        for item in items:
+            meta = item.get("meta_info") or {}
+            self.token_usage.add(meta.get("prompt_tokens"), meta.get("completion_tokens"))
+
+    @staticmethod
+    def _payload(call: Call) -> dict:
+        sampling, options = call.split()
+        return {"text": call.text, "sampling_params": sampling, **options}
+
     def generate(self, call: Call) -> GenResult:
-        return _result(_check_finished(self._request({"text": call.text, "sampling_params": call.params})[0]))
+        items = [_check_finished(item) for item in self._request(self._payload(call))]
+        self._count(items)
+        results = [_result(item) for item in items]
+        if len(results) == 1:
+            return results[0]
+        return GenResult(results[0].text, results[0].meta, samples=results)  # n > 1: one item per sample
 
     def stream(self, call: Call) -> Iterator[tuple[str, GenResult | None]]:
         sent = ""
         last = None
-        for item in self._request_stream({"text": call.text, "sampling_params": call.params, "stream": True}):
+        for item in self._request_stream({**self._payload(call), "stream": True}):
             _check_finished(item)
             text = item.get("text", "")
             if len(text) > len(sent):
@@ -68,17 +103,25 @@ class NativeBackend(Backend):
             last = item
         if last is None:
             raise LangError("the stream ended without a result")
+        self._count([last])
         yield "", _result(last)
+
+    def cache_prefix(self, prefix: str) -> None:
+        """SGLang's name for it: prefill `prefix` so later requests find it cached."""
+        self.commit_prefix(prefix)
 
     def commit_prefix(self, text: str) -> int:
         """Prefill `text` (it stays in the radix cache); returns its token count."""
         item = _check_finished(self._request({"text": text, "sampling_params": {"max_new_tokens": 0}})[0])
+        self._count([item])
         return int(item["meta_info"]["prompt_tokens"])
 
     def _token_logprobs(self, texts: list[str], start: int) -> list[list[tuple[float | None, int]]]:
-        items = self._request({"text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-                               "return_logprob": True, "logprob_start_len": start})
-        return [list(_check_finished(item)["meta_info"].get("input_token_logprobs") or []) for item in items]
+        items = [_check_finished(item) for item in self._request(
+            {"text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0}, "return_logprob": True,
+             "logprob_start_len": start})]
+        self._count(items)
+        return [[tuple(e[:2]) for e in item["meta_info"].get("input_token_logprobs") or []] for item in items]
 
     def _choice_logprobs(self, texts: list[str], start: int) -> list[list[float]]:
         return [[lp for lp, _tok in lps if lp is not None] for lps in self._token_logprobs(texts, start)]
@@ -92,9 +135,7 @@ class NativeBackend(Backend):
         tail = [tok for _lp, tok in alone]
         out = []
         for lps in withs:
-            k = 0
-            while k < len(tail) and k < len(lps) and lps[k][1] == tail[k]:
-                k += 1
+            k = choice_scoring.after_prefix(tail, [tok for _lp, tok in lps])
             out.append([lp for lp, _tok in lps[k:] if lp is not None])
         return out
 
@@ -106,11 +147,7 @@ class NativeBackend(Backend):
             uncond = self._choice_logprobs(list(choices), 0)
         best, scores = choice_scoring.pick(method, cond, uncond)
         if temperature > 0:  # sample in proportion to exp(score / T) instead of taking the best
-            import math
-
-            top = max(scores)
-            weights = [math.exp((s - top) / temperature) for s in scores]
-            best = self.rng.choices(range(len(choices)), weights=weights)[0]
+            best = choice_scoring.sample(scores, temperature, self.rng)
         meta = {"normalized_prompt_logprobs": scores, "input_token_logprobs": cond, "prompt_tokens": n_prefix,
                 "finish_reason": {"type": "stop", "matched": choices[best]}}
         if uncond is not None:
@@ -124,10 +161,14 @@ _BOUNDARY_TOKENS = 4  # prefix tokens re-scored with each choice (see _condition
 class RuntimeEndpoint(NativeBackend):
     """A running radixlm (or SGLang) server, through its native `/generate`."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600):
+    def __init__(self, base_url: str, api_key: str | None = None, verify=None, chat_template_name: str | None = None,
+                 *, timeout: float = 600):
         super().__init__()
         import httpx
 
+        if chat_template_name is not None:
+            raise LangError(f"chat_template_name={chat_template_name!r}: radixlm renders role blocks with the "
+                            "server's own chat template (its tokenizer's); named templates are not supported")
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # One client is shared by every thread of run_batch and fork, each with one request in flight at a time,
@@ -135,6 +176,7 @@ class RuntimeEndpoint(NativeBackend):
         # 100 threads and close and reopen a connection for most calls past 20 (a 64-thread run_batch opened
         # ~220 connections for 256 calls). Idle connections still expire after keepalive_expiry.
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
+                                   verify=True if verify is None else verify,
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         self.model_info = self._get("/get_model_info")
 
@@ -151,6 +193,26 @@ class RuntimeEndpoint(NativeBackend):
 
     def _chat_template(self):
         return self.model_info.get("chat_template"), {}
+
+    def get_model_name(self) -> str:
+        return self.model_info["model_path"]
+
+    def get_server_info(self) -> dict:
+        return self._get("/get_server_info")
+
+    def flush_cache(self) -> bool:
+        """Empty the server's radix cache; False (not an error) while requests are running there."""
+        import httpx
+
+        try:
+            r = self.client.post("/flush_cache")
+        except httpx.HTTPError as e:
+            raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
+        if r.status_code == 400:
+            return False
+        if r.status_code != 200:
+            raise self._error(r)
+        return True
 
     @staticmethod
     def _error(r) -> LangError:
@@ -216,11 +278,30 @@ class EngineBackend(NativeBackend):
         tok = self.engine.tokenizer
         return getattr(tok, "chat_template", None), {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
 
+    def get_model_name(self) -> str:
+        return self.engine.loaded.model_path
+
+    def get_server_info(self) -> dict:
+        """What an in-process engine has of a server's info: its arguments and the scheduler's stats."""
+        from dataclasses import asdict
+
+        return {"server_args": asdict(self.engine.server_args), "scheduler": self.driver.call(self.engine.get_stats)}
+
+    def flush_cache(self) -> bool:
+        return bool(self.driver.call(self.engine.flush_cache))
+
+    def _decode(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
     def _request(self, payload: dict) -> list[dict]:
-        return self.driver.run(payload)
+        texts = payload.pop("return_text_in_logprobs", False)  # the Engine has no such option: added here
+        items = self.driver.run(payload)
+        return [with_token_texts(item, self._decode) for item in items] if texts else items
 
     def _request_stream(self, payload: dict) -> Iterator[dict]:
-        yield from self.driver.stream(payload)
+        texts = payload.pop("return_text_in_logprobs", False)
+        for item in self.driver.stream(payload):
+            yield with_token_texts(item, self._decode) if texts else item
 
     def shutdown(self) -> None:
         self.driver.stop()
@@ -233,9 +314,10 @@ class Runtime(RuntimeEndpoint):
     Keywords are server flags (`model_path=...`, `max_total_tokens=...`)."""
 
     def __init__(self, model_path: str | None = None, port: int | None = None, timeout: float = 300,
-                 api_key: str | None = None, **server_args):
+                 api_key: str | None = None, *, launch_timeout: float | None = None, **server_args):
         from radixlm.lang.backend.launch import launch_server
 
+        timeout = launch_timeout if launch_timeout is not None else timeout  # SGLang's name for it
         self.process, url = launch_server(model_path, port, timeout, api_key, server_args)
         try:
             super().__init__(url, api_key=api_key)
@@ -246,6 +328,11 @@ class Runtime(RuntimeEndpoint):
     @property
     def url(self) -> str:
         return self.base_url
+
+    @property
+    def endpoint(self) -> "Runtime":
+        """SGLang's Runtime wraps a RuntimeEndpoint here; this Runtime is one."""
+        return self
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import radixlm as sgl
-from radixlm.lang import api as lang_api
+from radixlm.lang.global_config import global_config
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -46,6 +46,6 @@ def backend(request):
 @pytest.fixture
 def default_backend():
     """Programs run with no backend= (as SGLang's docs write them); the previous default is restored after."""
-    before = lang_api._default_backend
+    before = global_config.default_backend
     yield sgl.set_default_backend
-    lang_api._default_backend = before
+    global_config.default_backend = before
