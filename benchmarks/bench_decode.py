@@ -21,9 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
+import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
 import torch
 
-import radixlm
 from radixlm.srt.managers.schedule_batch import sampling_info
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 

@@ -16,9 +16,9 @@ import argparse
 import platform
 import time
 
+import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
 import torch
 
-import radixlm
 from workloads import offline_report, offline_workload as workload
 
 

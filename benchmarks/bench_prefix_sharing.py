@@ -17,9 +17,9 @@ import statistics
 import time
 from pathlib import Path
 
+import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
 import torch
 
-import radixlm
 
 
 def make_workload(tokenizer_size: int, groups: int, per_group: int, system_len: int, question_len: int,
