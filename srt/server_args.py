@@ -72,6 +72,11 @@ class ServerArgs:
     force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "
                                         "by default, where the forward is asynchronous); for tests")
     enable_mixed_chunk: bool = _opt(False, "let running requests decode in the same batch as a prefill chunk")
+    decode_prefill_budget: int | None = _opt(None, "while requests are decoding, the most prompt tokens one step "
+                                             "takes on, the decodes riding along in the same batch, so that no "
+                                             "stream waits for a whole prompt's prefill (default off; -1 "
+                                             "off; meant for CPUs, where one prompt's prefill is many decode "
+                                             "steps long)")
     scheduler_cpus: str = _opt("auto", "CPUs the scheduler loop runs on: auto (on CUDA, it and the detokenizer's "
                                "and HTTP server's loops move off a CPU that loses over 3%% of its time to "
                                "interrupts, softirqs or the hypervisor, checked every 2 s), none (the kernel "
@@ -92,6 +97,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.tp_size != 1:
             raise ValueError("tp_size: only 1 is supported so far")
+        if self.decode_prefill_budget is not None and self.decode_prefill_budget == 0:
+            raise ValueError("decode_prefill_budget must be positive, or -1 for off")
         for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "cuda_graph_max_bs",
                      "piecewise_cuda_graph_max_tokens"):
             value = getattr(self, name)

@@ -31,6 +31,9 @@ def schedule_extend(s: Scheduler) -> list[Req]:
     if not s.waiting and s.chunked is None:
         return []
     budget = min(s.max_prefill_tokens, s.chunk_size or s.max_prefill_tokens)
+    limited = s.chunk_size is not None  # a prompt over the budget is split, not held back
+    if s.decode_prefill_budget is not None and any(r.decodable(s.context_length) for r in s.running):
+        budget, limited = min(budget, s.decode_prefill_budget), True
     reserved = sum(decode_reserve(s, r) for r in s.running)
     batch: list[Req] = []
     if s.chunked is not None:
@@ -71,7 +74,7 @@ def schedule_extend(s: Scheduler) -> list[Req]:
             break
         s.waiting.remove(r)
         batch.append(r)
-        if extend > budget and s.chunk_size is not None:
+        if extend > budget and limited:
             r.extend_len = budget
             s.chunked = r
             break

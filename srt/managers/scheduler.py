@@ -97,6 +97,11 @@ class Scheduler(SchedulerOutputMixin):
         self.overlap = not args.disable_overlap_schedule and (runner.device.type == "cuda"
                                                               or args.force_overlap_schedule)
         self.mixed_chunk = args.enable_mixed_chunk
+        # While streams decode, a step takes at most this many prompt tokens and the decodes ride along: on a CPU
+        # a whole prompt's prefill is many decode steps long, and every stream would wait for it.
+        # Off by default until measured against llama.cpp's ITL on the CPU harness (benchmarks/cpu/).
+        budget = getattr(args, "decode_prefill_budget", None)
+        self.decode_prefill_budget = budget if budget is not None and budget > 0 else None
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted with all prompt tokens scheduled; may still have one in flight
         self.chunked: Req | None = None
@@ -302,7 +307,7 @@ class Scheduler(SchedulerOutputMixin):
                 self.stats.cached_tokens += r.cached_tokens
         total = sum(r.extend_len for r in batch)
         riders = []
-        if self.mixed_chunk:
+        if self.mixed_chunk or self.decode_prefill_budget is not None:
             riders = [r for r in self.running if r.decodable(self.context_length)]
             if total + len(riders) > self.kv_pool.available_size() + self.tree_cache.evictable_size():
                 riders = []
