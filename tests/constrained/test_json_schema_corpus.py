@@ -191,9 +191,14 @@ def test_llguidance_enforces_the_keywords_it_accepts():
 
 # --- the Engine: supported schemas validate, unsupported ones get a 400 --------------------------------------
 def test_supported_schemas_generate_valid_json(engine):
+    """Half of the corpus per backend, the halves alternating between backends (outlines and llguidance take the
+    even-numbered schemas, xgrammar the odd): each backend is checked on schemas of every kind, and CI pays for
+    one and a half corpora of generation instead of three."""
     backend = engine.server_args.grammar_backend
     supported, _ = _split(backend)
     assert len(supported) >= MIN_SUPPORTED
+    half = BACKENDS.index(backend) % 2
+    supported = [c for c in supported if CASES.index(c) % 2 == half]
     params = [{"json_schema": c.schema, "temperature": 0.7, "max_new_tokens": MAX_NEW_TOKENS, "seed": _seed(c.name)}
               for c in supported]
     outs = engine.generate(input_ids=[engine.chat_ids(_messages(c)) for c in supported], sampling_params=params)

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,14 @@ pytestmark = pytest.mark.slow
 def run_example(name: str, *args: str) -> tuple[dict, str]:
     """Run examples/NAME.py; return its RESULT json and its stdout. Its whole process group (an example's
     server included) is killed if it runs past the timeout, and must be gone when it exits."""
+    # As a user with only the base install runs it (the openai client added for the example that uses it): the
+    # extras' packages are hidden from it and from the servers it starts (test_readme_base_install.py).
+    from tests.examples.test_readme_base_install import OPENAI_CLIENT, base_env
+
+    env, _ = base_env(Path(tempfile.mkdtemp(prefix=f"example-{name}-")),
+                      allow=OPENAI_CLIENT if "openai" in name else frozenset())
     proc = subprocess.Popen([sys.executable, f"examples/{name}.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:

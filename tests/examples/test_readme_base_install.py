@@ -15,7 +15,8 @@ snippet (and the example built on it) `openai` and what it requires are allowed,
 
 Snippets that talk to a server use the session `server` fixture: the README's `http://127.0.0.1:30000` is
 rewritten to the fixture's URL. That server runs unhidden; the server side is proven base-only by
-`examples/quick_start.py`, whose `sgl.Runtime()` launches its own server under the hiding.
+test_examples.py, which runs every example under this file's hiding: `examples/quick_start.py`'s
+`sgl.Runtime()` launches its own server there.
 
 A snippet that continues an earlier one (the structured-output one uses `engine` and `client`) runs after the
 earlier statements that define what it uses; its `messages=[...]` placeholder gets one real message. For time,
@@ -456,19 +457,3 @@ def test_examples_import_only_base_packages():
         allowed = {"openai"} if "openai" in path.stem else set()
         bad = {n for n in names - siblings - allowed if n in modules}
         assert not bad, f"{path.name} imports {bad}, which the base install lacks"
-
-
-def test_example_quick_start_launches_its_server_on_base_install(tmp_path):
-    """`python examples/quick_start.py` as the README's examples table runs it: `sgl.Runtime()` launches `radixlm
-    serve` (under the same hiding: the server side needs only the base install too) and talks to it over httpx."""
-    out = run_base(["examples/quick_start.py"], tmp_path, cwd=ROOT)
-    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
-    assert result["ok"] is True and result["answer"].strip() and result["completion_tokens"] > 0
-
-
-def test_example_rag_openai_client_on_base_install(tmp_path, server):
-    """`examples/rag_openai_client.py --url ...`: the openai client (which its reader installs) and radixlm."""
-    out = run_base(["examples/rag_openai_client.py", "--url", server.url], tmp_path, cwd=ROOT, allow=OPENAI_CLIENT)
-    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
-    assert result["ok"] is True and len(result["rows"]) == 5
-    assert all(row["answer"].strip() for row in result["rows"])
