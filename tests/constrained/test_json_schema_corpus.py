@@ -199,6 +199,8 @@ def test_supported_schemas_generate_valid_json(engine):
     assert len(supported) >= MIN_SUPPORTED
     half = BACKENDS.index(backend) % 2
     supported = [c for c in supported if CASES.index(c) % 2 == half]
+    if backend == "outlines":  # auto's last resort, and the slowest to compile: every other one of its half
+        supported = supported[::2]
     params = [{"json_schema": c.schema, "temperature": 0.7, "max_new_tokens": MAX_NEW_TOKENS, "seed": _seed(c.name)}
               for c in supported]
     outs = engine.generate(input_ids=[engine.chat_ids(_messages(c)) for c in supported], sampling_params=params)

@@ -14,7 +14,7 @@ import radixlm
 from tests.helpers import assert_engine_idle
 
 SYSTEM = "You are a helpful assistant who answers questions about rivers and mountains. " * 6
-ROUNDS = 16  # of 8 requests, 5 of them aborted: 80 aborts at random stages (the leak this guards was ~1.5 MB each)
+ROUNDS = 12  # of 8 requests, 5 of them aborted: 60 aborts at random stages (the leak this guards was ~1.5 MB each)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
 
 
