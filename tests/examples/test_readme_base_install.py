@@ -345,7 +345,9 @@ def check_output(code: str, out: str) -> None:
     """What a snippet prints, checked by what it asks."""
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines, f"the snippet printed nothing:\n{out}"
-    if "capital of France" in code and "json_schema" not in code:
+    # The frontend program asks after a system prompt and a 135M model's greedy answer there is not "Paris":
+    # that snippet is checked by its select and meta info instead.
+    if "capital of France" in code and "json_schema" not in code and "@sgl.function" not in code:
         assert "paris" in out.lower(), f"no 'Paris' in the answers to 'What is the capital of France?':\n{out}"
     if "prompt_tokens_details.cached_tokens" in code:  # print(answer, cached_tokens)
         assert re.search(r"\S.* (\d+)$", out.splitlines()[0]), f"no answer and cached token count:\n{out}"
