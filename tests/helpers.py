@@ -225,3 +225,22 @@ def assert_server_idle(url: str) -> None:
     assert r.status_code == 200, r.text
     s = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
     assert s["kv_free"] == s["kv_total"], s
+
+
+def group_alive(pgid: int) -> list[str]:
+    """The live processes of process group `pgid`, but for zombies and multiprocessing's resource tracker (a
+    server's tracker exits by itself once the server is gone, maybe a moment after it)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid and "resource_tracker" not in cmd:  # state, ppid, pgrp
+            alive.append(f"{entry}: {cmd}")
+    return alive

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import group_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds per example
 
@@ -40,7 +42,7 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{name}.py ran past {TIMEOUT} s\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
-    leftover = _group_alive(proc.pid)
+    leftover = group_alive(proc.pid)
     if leftover:
         os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, f"{name}.py exited {proc.returncode}\n--- stdout ---\n{out[-3000:]}\n" \
@@ -53,23 +55,6 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
     return result, out
 
 
-def _group_alive(pgid: int) -> list[str]:
-    """The live processes of process group `pgid`, but for zombies and multiprocessing's resource tracker (a
-    server's tracker exits by itself once the server is gone, maybe a moment after it)."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(") ", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid and "resource_tracker" not in cmd:  # state, ppid, pgrp
-            alive.append(f"{entry}: {cmd}")
-    return alive
 
 
 def _argmax(scores) -> int:

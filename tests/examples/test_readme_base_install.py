@@ -40,6 +40,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import group_alive
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -190,22 +192,6 @@ def base_env(tmp_path: Path, allow: set[str] = frozenset()) -> tuple[dict, Path]
 
 # --- running a program ------------------------------------------------------------------------------------------
 
-def _group_alive(pgid: int) -> list[str]:
-    """Live processes of process group `pgid` but zombies and multiprocessing's resource tracker."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(") ", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid and "resource_tracker" not in cmd:
-            alive.append(f"{entry}: {cmd}")
-    return alive
 
 
 def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), cwd: Path | None = None) -> str:
@@ -219,7 +205,7 @@ def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), 
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{args} ran past {TIMEOUT} s\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
-    leftover = _group_alive(proc.pid)
+    leftover = group_alive(proc.pid)
     if leftover:
         os.killpg(proc.pid, signal.SIGKILL)
     tried = sorted(set(log.read_text().split()[1::2])) if log.exists() else []
