@@ -24,7 +24,7 @@ from pathlib import Path
 import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
 import torch
 
-from radixlm.srt.managers.schedule_batch import sampling_info
+from radixlm.srt.scheduler.batch import sampling_info
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 
 

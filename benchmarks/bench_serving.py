@@ -30,8 +30,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the client runs beside any server
-from radixlm.srt.managers.cpu_guard import CpuGuard  # noqa: E402
-from radixlm.srt.managers.step_trace import ProcessTrace  # noqa: E402
+from radixlm.srt.cpu_guard import CpuGuard  # noqa: E402
 from radixlm.srt.utils import freeze_startup_objects  # noqa: E402
 
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
@@ -174,19 +173,16 @@ async def one_request(session: aiohttp.ClientSession, args, spec: RequestSpec) -
     return res
 
 
-async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], float, list[dict]]:
-    """The requests' results, the run's duration and (with --save-chunk-times) the client's own collector
-    passes and loop stalls."""
+async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:
+    """The requests' results and the run's duration."""
     width = args.max_concurrency or len(specs) or 1
     sem = asyncio.Semaphore(width)
     rng = random.Random(args.seed + 1)
 
-    events = ProcessTrace(None) if args.save_chunk_times else None  # the client's own collector passes and stalls
     # read_bufsize: a line (one SSE event) may be long, e.g. a final chunk with usage or logprobs
     timeout = aiohttp.ClientTimeout(sock_connect=args.timeout, sock_read=args.timeout)  # per read, not per answer
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=width),
                                      read_bufsize=1 << 20) as session:
-        watcher = asyncio.create_task(events.watch_loop()) if events is not None else None
         # The client timestamps every chunk: on a CPU that interrupts take time from (the lent GPU VMs' CPU 0
         # or 1 lost 10-40%), its own stalls would read as the server's inter-token latency.
         guard = CpuGuard("bench client")
@@ -206,12 +202,10 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        if watcher is not None:
-            watcher.cancel()
         if not args.no_cpu_guard:
             guarding.cancel()
         args.client_cpu = guard.state()
-        return results, duration, [json.loads(line) for line in events.lines] if events is not None else []
+        return results, duration
 
 
 def wait_for_server(base_url: str, seconds: float) -> list[str]:
@@ -286,7 +280,7 @@ def main() -> None:
     specs = make_dataset(args)
     # The prompts live through the run: a collector pass over them mid-stream would show up as the server's ITL.
     freeze_startup_objects()
-    results, duration, client_events = asyncio.run(run(args, specs))
+    results, duration = asyncio.run(run(args, specs))
     ok = [r for r in results if r.ok and not r.aborted]
     out_tokens = sum(r.output_tokens for r in ok)
     report = {
@@ -315,7 +309,6 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
     if args.save_chunk_times:  # perf_counter is CLOCK_MONOTONIC: comparable with the server's step trace
         report["chunk_times"] = [r.times for r in ok]
-        report["client_events"] = client_events
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_schema_coverage import pct  # noqa: E402
 from benchmarks.bench_serving import JSON_SCHEMA  # noqa: E402
-from benchmarks.itl_tail import pct  # noqa: E402
 from radixlm.srt.constrained.base import GrammarSpec  # noqa: E402
 from radixlm.srt.constrained.bitmask import allocate, allowed_ids  # noqa: E402
 from radixlm.srt.constrained.manager import create_backend  # noqa: E402

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from radixlm.srt import env
+
 try:
     import triton  # noqa: F401
 
@@ -14,7 +16,7 @@ try:
 except ImportError:  # the CPU install has no Triton; the torch references still work
     HAS_TRITON = False
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = env.TRITON_INTERPRET.get()
 
 
 def next_pow2(n: int) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from radixlm.srt import env
+
 try:
     import triton
     import triton.language as tl
@@ -37,8 +39,8 @@ def pdl_enabled(device) -> bool:
     if key not in _PDL:
         import torch
 
-        _PDL[key] = (gdc_wait is not None and os.environ.get("RADIXLM_PDL", "1") != "0"
-                     and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
+        _PDL[key] = (gdc_wait is not None and env.PDL.get() and not env.TRITON_INTERPRET.get()
+                     and torch.cuda.is_available()
                      and torch.cuda.get_device_capability(device)[0] >= 9)
     return _PDL[key]
 

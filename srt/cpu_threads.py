@@ -12,6 +12,8 @@ import math
 import os
 import sys
 
+from radixlm.srt import env
+
 WAIT_POLICY_DEFAULT = "PASSIVE"
 _late = False  # the default was set after torch (and its OpenMP runtime) had loaded: it does not apply here
 
@@ -20,8 +22,7 @@ def set_wait_policy_default() -> None:
     """Ask for passive waiting before the OpenMP runtime loads (it reads the variable once, when torch is first
     imported); an operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
     global _late
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY_DEFAULT
+    if not env.GOMP_SPINCOUNT.is_set() and env.OMP_WAIT_POLICY.set_default(WAIT_POLICY_DEFAULT):
         _late = "torch" in sys.modules  # processes started from here still get it
 
 
@@ -57,11 +58,11 @@ def configure_cpu_forward() -> str:
     OMP_NUM_THREADS, when set, is the operator's choice and is kept."""
     import torch
 
-    policy = os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)")
+    policy = env.OMP_WAIT_POLICY.get() or "default (spin, then sleep)"
     if _late:
         policy = ("default (spin, then sleep): torch was imported before radixlm; set OMP_WAIT_POLICY=PASSIVE "
                   "before it for a shared CPU")
-    if "OMP_NUM_THREADS" in os.environ:
+    if env.OMP_NUM_THREADS.is_set():
         return f"{torch.get_num_threads()} threads (OMP_NUM_THREADS), wait policy {policy}"
     n = usable_cpus()
     torch.set_num_threads(n)

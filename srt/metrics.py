@@ -49,7 +49,7 @@ class Metrics:
         self._http.labels(route=route, status=str(status), **self._labels).inc()
 
     def on_finish(self, state, now: float) -> None:
-        self._finished.labels(finish_reason=state.finish_reason.get("type", "unknown"), **self._labels).inc()
+        self._finished.labels(finish_reason=state.finish_reason.type, **self._labels).inc()
         self.prompt_tokens.inc(state.prompt_tokens)
         self.cached_tokens.inc(state.cached_tokens)
         self.e2e.observe(now - state.created)

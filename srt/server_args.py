@@ -113,7 +113,7 @@ class ServerArgs:
         if self.stream_interval <= 0:
             raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
         if self.scheduler_cpus not in ("auto", "none"):
-            from radixlm.srt.managers.cpu_guard import cpu_list
+            from radixlm.srt.cpu_guard import cpu_list
 
             try:
                 cpus = cpu_list(self.scheduler_cpus)

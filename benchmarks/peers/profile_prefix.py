@@ -74,7 +74,7 @@ def run(label: str) -> dict:
         updates = eng.step()
         now = time.perf_counter()
         inflight -= sum(1 for u in updates if u["finished"])
-        info = dict(eng.scheduler.last_step or {})
+        info = eng.scheduler.last_step.as_dict() if eng.scheduler.last_step else {}
         info["ms"] = (now - last) * 1e3
         steps.append(info)
         last = now

@@ -11,10 +11,10 @@ import torch
 
 from radixlm.srt.errors import InvalidRequest
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
-from radixlm.srt.managers.req import Req
+from radixlm.srt.scheduler.req import Req
 from radixlm.srt.managers.request_prep import (PreparedInput, check_logprob_args, expand, normalize_inputs,
                                                per_prompt_params, tokenize)
-from radixlm.srt.managers.scheduler import Scheduler
+from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.model_executor.model_runner import ModelRunner
 from radixlm.srt.model_loader.loader import load_model
 from radixlm.srt.server_args import ServerArgs
@@ -128,11 +128,11 @@ class Engine:
             out = d.out
             s["ids"] += out.new_ids
             _merge_logprobs(s["logprobs"], out)
-            finished = out.finished_reason is not None
-            if finished:
+            reason = out.finished_reason
+            if reason is not None:
                 del self._state[d.rid]
-            updates.append({"text": d.text, "output_ids": list(s["ids"]), "finished": finished,
-                            "meta_info": {"id": d.rid, "finish_reason": out.finished_reason,
+            updates.append({"text": d.text, "output_ids": list(s["ids"]), "finished": reason is not None,
+                            "meta_info": {"id": d.rid, "finish_reason": reason and reason.to_dict(),
                                           "prompt_tokens": out.prompt_tokens,
                                           "completion_tokens": out.completion_tokens,
                                           "cached_tokens": out.cached_tokens,

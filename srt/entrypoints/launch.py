@@ -38,9 +38,9 @@ class ServerProcesses:
         self.stopping = False
 
     def start(self, model_path: str, tokenizer_path: str) -> dict:
-        from radixlm.srt.managers.cpu_guard import guard_wanted
+        from radixlm.srt.cpu_guard import guard_wanted
         from radixlm.srt.managers.detokenizer_process import run_detokenizer_process
-        from radixlm.srt.managers.scheduler_process import run_scheduler_process
+        from radixlm.srt.scheduler.process import run_scheduler_process
 
         ctx = mp.get_context("spawn")
         pid = os.getpid()

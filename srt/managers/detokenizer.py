@@ -57,8 +57,8 @@ class IncrementalDetokenizer:
                 continue
             st.ids += out.new_ids
             ids = st.ids
-            reason = out.finished_reason or {}
-            if reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not st.no_stop_trim:
+            reason = out.finished_reason
+            if reason is not None and reason.type == "stop" and isinstance(reason.matched, int) and not st.no_stop_trim:
                 ids = ids[:-1]  # the matched stop token is not part of the text
             groups[(st.skip_special_tokens, st.spaces_between_special_tokens)].append((out, st, ids))
         for (skip, spaces), items in groups.items():
@@ -81,7 +81,7 @@ class IncrementalDetokenizer:
 
     def _emit(self, out: TokenOutput, st: _State, finished: bool) -> DetokOutput:
         if finished:
-            matched = (out.finished_reason or {}).get("matched")
+            matched = out.finished_reason.matched
             if isinstance(matched, str):
                 # Emitted text never ends inside a stop string (see _partial_stop_len), so the match that ended
                 # the request starts at or after what was sent; earlier ones came before min_new_tokens.

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import time
 import traceback
 
 import msgspec
 import zmq
 
-from radixlm.srt.managers.cpu_guard import CpuGuard, read_lost_ticks
+from radixlm.srt.cpu_guard import CpuGuard, read_lost_ticks
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput
-from radixlm.srt.managers.step_trace import ProcessTrace
 from radixlm.srt.model_loader.hf_loader import load_tokenizer
 from radixlm.srt.utils import configure_logging, die_with_parent, freeze_startup_objects, parent_alive
 
@@ -38,9 +35,6 @@ def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict
     ready.send({"status": "ready"})
     decoder = msgspec.msgpack.Decoder(BatchTokenOutput)
     encoder = msgspec.msgpack.Encoder()
-    trace = ProcessTrace.from_env("detokenizer")
-    if trace is not None:  # the launcher stops children with SIGTERM: exit through atexit, which writes it out
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     freeze_startup_objects()
     # every token passes through this loop too: keep it off CPUs that interrupts take time from (CpuGuard)
     guard = CpuGuard("detokenizer", since=started) if cpu_guard else None
@@ -49,23 +43,16 @@ def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict
             if guard is not None:
                 guard.tick()
             if not recv.poll(500):
-                if trace is not None:
-                    trace.flush()  # idle: servers are killed, not exited, so write out now
                 if not parent_alive(parent_pid):
                     return
                 continue
-            raw = recv.recv()
-            t_recv = time.perf_counter()
-            batch = decoder.decode(raw)
+            batch = decoder.decode(recv.recv())
             for out in batch.outputs:
                 if out.detok is not None and out.rid not in detok.states:
                     detok.register(out.rid, **out.detok)
             items = [msgspec.structs.replace(d.out, delta=d.delta, detok=None) for d in detok.process(batch.outputs)]
             if items:
-                t_sent = time.perf_counter()
-                send.send(encoder.encode(BatchStrOutput(items, batch.sent_at, t_sent)))
-                if trace is not None:
-                    trace.batch(sched=batch.sent_at, recv=t_recv, sent=t_sent, n=len(items))
+                send.send(encoder.encode(BatchStrOutput(items)))
     except Exception:
         logger.error("detokenizer crashed:\n%s", traceback.format_exc())
         sys.exit(1)

@@ -7,6 +7,48 @@ from typing import Any, Union
 import msgspec
 
 
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """Why a request ended. `type`: stop (an EOS or stop token id, a stop string, or a complete grammar:
+    `matched` says which, None for a grammar), length (`length` tokens generated), abort (a client's abort, or
+    a failure carrying the HTTP `status_code` to answer with and the request `param` at fault)."""
+
+    type: str
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    param: str | None = None
+
+    @classmethod
+    def stop(cls, matched: int | str | None = None) -> FinishReason:
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def of_length(cls, n: int) -> FinishReason:
+        return cls("length", length=n)
+
+    @classmethod
+    def abort(cls, message: str = "request aborted", status_code: int | None = None,
+              param: str | None = None) -> FinishReason:
+        return cls("abort", message=message, status_code=status_code, param=param)
+
+    @property
+    def failed(self) -> bool:
+        """Ended by an error (not by a stop, a length or a client's abort)."""
+        return bool(self.status_code)
+
+    def to_dict(self) -> dict:
+        """The public form (the native API's meta_info.finish_reason, as SGLang reports it)."""
+        d: dict = {"type": self.type}
+        if self.type == "stop":
+            d["matched"] = self.matched
+        for name in ("length", "message", "status_code", "param"):
+            value = getattr(self, name)
+            if value is not None:
+                d[name] = value
+        return d
+
+
 class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's progress in one scheduler step. The scheduler fills the ids; the detokenizer adds `delta`
     (the new text) and passes the same struct on to the tokenizer manager."""
@@ -17,7 +59,7 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     completion_tokens: int
     cached_tokens: int
     delta: str = ""
-    finished_reason: dict | None = None
+    finished_reason: FinishReason | None = None
     # (logprob, token_id) per token; prompt entries start at logprob_start_len, the first prompt token has None.
     input_logprobs: list[tuple[float | None, int]] | None = None
     output_logprobs: list[tuple[float, int]] | None = None
@@ -28,7 +70,7 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     @property
     def failed(self) -> bool:
         """The final update of a request ended by an error (it carries the HTTP status to answer with)."""
-        return bool((self.finished_reason or {}).get("status_code"))
+        return self.finished_reason is not None and self.finished_reason.failed
 
 
 # --- tokenizer manager -> scheduler ----------------------------------------------------------------------
@@ -60,14 +102,11 @@ SchedulerIn = Union[GenerateReq, AbortReq, ControlReq]
 # --- scheduler -> detokenizer --------------------------------------------------------------------------------
 class BatchTokenOutput(msgspec.Struct, tag=True):
     outputs: list[TokenOutput]
-    sent_at: float = 0.0  # the scheduler's perf_counter (CLOCK_MONOTONIC, one clock for all processes) at send
 
 
 # --- detokenizer / scheduler -> tokenizer manager ----------------------------------------------------------
 class BatchStrOutput(msgspec.Struct, tag=True):
     outputs: list[TokenOutput]  # with `delta` set and `detok` dropped
-    sched_at: float = 0.0  # when the scheduler sent these tokens
-    detok_at: float = 0.0  # when the detokenizer sent them on
 
 
 class ControlResp(msgspec.Struct, tag=True):

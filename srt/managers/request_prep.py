@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 from radixlm.srt.errors import ContextLengthExceeded, InvalidRequest
-from radixlm.srt.managers.req import Req
+from radixlm.srt.scheduler.req import Req
 from radixlm.srt.sampling.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 63) - 1

@@ -17,11 +17,10 @@ import zmq.asyncio
 
 from radixlm.srt.constrained.spec import check_supported
 from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
-from radixlm.srt.managers.cpu_guard import CpuGuard, guard_wanted
-from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, GenerateReq, TokenizerIn,
-                                            TokenOutput)
+from radixlm.srt.cpu_guard import CpuGuard, guard_wanted
+from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, FinishReason, GenerateReq,
+                                            TokenizerIn, TokenOutput)
 from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand, tokenize
-from radixlm.srt.managers.step_trace import ProcessTrace
 from radixlm.srt.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class ReqState:
     queue: asyncio.Queue  # shared by every request of one submission
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -75,14 +74,15 @@ class ReqState:
     def failed(self) -> bool:
         """Finished by an error (it carries the HTTP status to answer with), not by a stop, a length or a
         client's abort."""
-        return bool((self.finish_reason or {}).get("status_code"))
+        return self.finish_reason is not None and self.finish_reason.failed
 
     def meta(self, upto: TokenOutput | None = None) -> dict:
         """The native API's meta_info: of the request now, or as of its update `upto` (a streamed chunk), whose
         token counts and finish reason it reports and whose number of tokens bounds the logprobs listed."""
         src = self if upto is None else upto
         n = src.completion_tokens
-        m = {"id": self.rid, "finish_reason": self.finish_reason if upto is None else upto.finished_reason,
+        reason = self.finish_reason if upto is None else upto.finished_reason
+        m = {"id": self.rid, "finish_reason": None if reason is None else reason.to_dict(),
              "prompt_tokens": src.prompt_tokens, "completion_tokens": n, "cached_tokens": src.cached_tokens,
              "e2e_latency": (self.last_token_at or time.perf_counter()) - self.created}
         if self.output_logprobs:
@@ -116,7 +116,6 @@ class TokenizerManager:
         self._control_ids = itertools.count()
         self._control_waiters: dict[int, asyncio.Future] = {}
         self._encoder = msgspec.msgpack.Encoder()
-        self.trace = ProcessTrace.from_env("tokenizer")
         self.cpu_guard: CpuGuard | None = None
         # Long prompts are tokenized off the event loop (the Rust tokenizer lets go of the GIL): a 512-token
         # prompt took up to 56 ms on an H100 host, and every other stream's next chunk waited behind it. Short
@@ -132,8 +131,6 @@ class TokenizerManager:
         self.recv = ctx.socket(zmq.PULL)
         self.recv.bind(self.endpoints["tokenizer"])
         self._recv_task = asyncio.create_task(self._recv_loop())
-        if self.trace is not None:
-            self._lag_task = asyncio.create_task(self.trace.watch_loop())
         if guard_wanted(self.args.scheduler_cpus, self.info.get("device", "cpu")):
             # every token reaches its client through this loop: keep it off CPUs interrupts take time from
             self.cpu_guard = CpuGuard("http server")
@@ -240,7 +237,7 @@ class TokenizerManager:
         if st is None:
             return
         self.to_scheduler.send(self._encoder.encode(AbortReq(rid)))
-        st.finish_reason = {"type": "abort", "message": "request aborted"}
+        st.finish_reason = FinishReason.abort()
         st.last_token_at = st.last_token_at or time.perf_counter()
         self.metrics.on_finish(st, st.last_token_at)
         self.metrics.requests_in_flight.set(len(self.states))
@@ -250,8 +247,6 @@ class TokenizerManager:
     async def control(self, kind: str, timeout: float = 10.0):
         if self.dead:
             raise ServiceUnavailable(f"the server cannot serve requests: {self.dead}")
-        if self.trace is not None and kind == "flush_cache":
-            self.trace.flush()  # a quiet moment (servers are killed, not exited)
         cid = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self._control_waiters[cid] = fut
@@ -268,7 +263,7 @@ class TokenizerManager:
         """A child died: finish every request in flight with an error instead of leaving it hanging."""
         self.dead = reason
         for st in list(self.states.values()):
-            st.finish_reason = {"type": "abort", "message": reason, "status_code": 503}
+            st.finish_reason = FinishReason.abort(reason, status_code=503)
             st.queue.put_nowait((st, st.final_output()))
         self.states.clear()
         for fut in self._control_waiters.values():
@@ -289,8 +284,6 @@ class TokenizerManager:
 
     def _handle_batch(self, batch: BatchStrOutput) -> None:
         now = time.perf_counter()
-        if self.trace is not None:
-            self.trace.batch(sched=batch.sched_at, detok=batch.detok_at, recv=now, n=len(batch.outputs))
         for out in batch.outputs:
             st = self.states.get(out.rid)
             if st is None:  # aborted by us already

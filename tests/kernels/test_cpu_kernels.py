@@ -5,16 +5,18 @@ import torch
 from radixlm.kernels import cpu
 
 
-@pytest.fixture(scope="module", autouse=True, params=["native", "portable"])
+@pytest.fixture(scope="module", autouse=True, params=["native", "portable", "no-avx2"])
 def built(request):
-    """Every test against the library as shipped (AVX-512 here) and against a build without AVX-512, whose
-    portable code paths machines without it run."""
+    """Every test against the library as shipped (-march=native), against a build without AVX-512 (the AVX2
+    code paths, where this CPU has AVX2) and against one without AVX2 either (the plain C ones)."""
     assert cpu.load() is not None  # CI has gcc: without it the torch paths run and these kernels never do
     if request.param == "native":
         yield request.param
         return
-    lib = cpu.build_variant(("-mno-avx512f",))
+    lib = cpu.build_variant(("-mno-avx512f",) if request.param == "portable" else ("-mno-avx2",))
     assert lib.q8_gemm_avx512() == 0
+    if request.param == "no-avx2":
+        assert lib.q4_gemm_available() == 0 and lib.q4_gemm_isa() == 0
     mp = pytest.MonkeyPatch()
     mp.setattr(cpu, "load", lambda: lib)
     yield request.param
@@ -36,7 +38,7 @@ def _bf16_ulps(ref: torch.Tensor, x: torch.Tensor) -> int:
     return (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 40])  # every AVX2 pass size (1-8 rows)
 def test_q8_gemm_matches_fp64(m):
     g = torch.Generator().manual_seed(m)
     n, k = 1000, 96  # n not a multiple of the kernel's 64-row chunks
@@ -119,23 +121,84 @@ def test_silu_mul_bf16():
     assert (out.float() - ref.float())[~normal].abs().max().item() < 1e-30
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 40])
-def test_q4_gemm_matches_fp64(m, built):
-    """Against fp64 over the dequantized weight with x rounded to bf16 (as the kernel takes it). The portable
-    build has no Q4 kernel (it needs AVX-512 BF16): it must say so, since the loader then uses torch's op."""
+def _q4_isa_expected(built: str) -> str | None:
+    """The Q4 kernel a build should hold on this CPU: AVX-512 BF16 where the build may use AVX-512 and the CPU
+    has it, else AVX2 (+ FMA, F16C) where the build may use AVX2 and the CPU has it, else none."""
+    if built == "native" and _cpu_has("avx512_bf16") and _cpu_has("avx512bw"):
+        return "AVX-512 BF16"
+    if built != "no-avx2" and all(_cpu_has(f) for f in ("avx2", "fma", "f16c")):
+        return "AVX2"
+    return None
+
+
+def test_q4_kernel_is_the_one_this_cpu_and_build_allow(built):
+    """q4_available / q4_isa / describe name the kernel compiled in; a build that may not use AVX2 has none
+    (the loader then keeps torch's int4 op, and auto dequantizes)."""
+    want = _q4_isa_expected(built)
+    assert cpu.q4_isa() == want
+    assert cpu.q4_available() == (want is not None)
+    desc = cpu.describe()
+    if want is not None:
+        assert want in desc, desc
+    else:
+        assert "AVX2" not in desc and "BF16" not in desc, desc
+
+
+def _q4_case(rng, n: int, k: int, style: str):
+    """Nibbles and fp16-exact scales: Q4_1 (d and an independent min m, as SmolLM2's file) or Q4_0 (m = -8 d)."""
     import numpy as np
 
-    if not cpu.q4_available():
-        # Only a build without AVX-512, or a CPU without its BF16 dot products, may lack the kernel.
-        assert built == "portable" or not _cpu_has("avx512_bf16")
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    d = (rng.random((n, k // 32)) / 50).astype(np.float16).astype(np.float32)
+    if style == "q4_0":
+        mins = -8 * d
+    else:
+        mins = (-rng.random((n, k // 32)) / 10).astype(np.float16).astype(np.float32)
+    return q, d, mins
+
+
+@pytest.mark.parametrize("style", ["q4_1", "q4_0"])
+@pytest.mark.parametrize("m", list(range(1, 18)) + [40])
+def test_q4_gemm_matches_fp64(m, style, built):
+    """Against fp64 over the dequantized weight with x rounded to bf16 (as the kernel takes it). Every M from 1
+    to 17 and 40: each of the AVX2 kernel's pass sizes (1-4 rows) and splits of M into passes, and the AVX-512
+    one's 8-row passes with every remainder. A build without a Q4 kernel must say so (the loader then uses
+    torch's op)."""
+    import numpy as np
+
+    if _q4_isa_expected(built) is None:
+        assert not cpu.q4_available()
         return
     rng = np.random.default_rng(m)
     n, k = 48, 96  # three 16-row tiles, three blocks
-    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
-    d = (rng.random((n, k // 32)) / 50).astype(np.float16).astype(np.float32)
-    mins = (-rng.random((n, k // 32)) / 10).astype(np.float16).astype(np.float32)
+    q, d, mins = _q4_case(rng, n, k, style)
     qs, dm = cpu.q4_pack(q, d, mins)
-    x = torch.randn(m, k + 3)[:, 1:k + 1]  # a row stride other than k
+    x = torch.randn(m, k + 3, generator=torch.Generator().manual_seed(m))[:, 1:k + 1]  # row stride other than k
     y = cpu.q4_gemm(qs, dm, x, n, k)
     assert y.shape == (m, n) and y.dtype == torch.float32
+    ref = cpu.q4_gemm_ref(q, d, mins, x)
+    assert _rel(ref, y) < 1e-6
+    # per output, not only in norm: each one within a few fp32 roundings of its own sums' size
+    scale = (x.bfloat16().double().abs() @ torch.from_numpy(
+        (np.abs(d)[..., None] * 15 + np.abs(mins)[..., None]).astype(np.float64).repeat(32, -1).reshape(n, k)).T)
+    assert ((y.double() - ref).abs() <= 1e-6 * scale).all()
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_q4_gemm_long_rows_and_wide_tiles(m, built):
+    """SmolLM2's down_proj shape (K = 1536: 48 blocks summed per output) and more tiles than threads; x's
+    values spread over several binades, so the bf16 rounding of x matters."""
+    import numpy as np
+
+    if _q4_isa_expected(built) is None:
+        return  # covered by test_q4_gemm_matches_fp64
+    rng = np.random.default_rng(100 + m)
+    n, k = 576, 1536
+    q, d, mins = _q4_case(rng, n, k, "q4_1")
+    qs, dm = cpu.q4_pack(q, d, mins)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(2 * m, k, generator=g) * torch.exp2(torch.randint(-6, 7, (2 * m, k), generator=g)))[::2]
+    y = cpu.q4_gemm(qs, dm, x, n, k)
     assert _rel(cpu.q4_gemm_ref(q, d, mins, x), y) < 1e-6
+    # x is rounded to bf16 inside: an x that is not bf16 gives the product of its rounded values
+    assert torch.equal(y, cpu.q4_gemm(qs, dm, x.bfloat16().float(), n, k))

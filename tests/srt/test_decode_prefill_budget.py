@@ -29,13 +29,14 @@ def _run(engine, long_prompt, short_prompt):
     for _ in range(3):
         engine.step()
     late = engine.add_request(input_ids=long_prompt, sampling_params={**GREEDY, "max_new_tokens": 4})[0]
-    steps, outputs = [], {}
+    steps, outputs, seen = [], {}, None
     while engine.has_unfinished_requests():
         decoding = any(r.rid == stream for r in engine.scheduler.running)
         updates = engine.step()
         last = engine.scheduler.last_step
-        if last.get("mode") == "extend":
-            steps.append((last["tokens"], last["decode_riders"], decoding))
+        if last is not None and last.mode == "extend" and last is not seen:
+            steps.append((last.tokens, last.decode_riders, decoding))
+        seen = last
         for u in updates:
             if u["finished"]:
                 outputs[u["meta_info"]["id"]] = u["output_ids"]

@@ -79,7 +79,7 @@ def test_quantized_engine_keeps_weights_quantized(fp32_engine, q_engine):
     model = q_engine.runner.model
     layer = model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        # our AVX-512 BF16 kernel where the CPU has it (this machine, CI), torch's int4 op elsewhere
+        # our Q4 kernel where the CPU has AVX-512 BF16 or AVX2 (+ FMA, F16C), torch's int4 op elsewhere
         kind = Q4DotLinear if cpu_kernels.q4_available() else Int4Linear
         assert isinstance(linear.quant, kind) and linear.weight.numel() == 0
     assert sum(p.nbytes for p in model.parameters()) < 1e6  # fp32: 538 MB; what is left is the norms
@@ -114,19 +114,36 @@ def test_logits_close_to_fp32_within_bf16_error(fp32_engine, q_engine):
     assert max(quant) < 2 * max(bf16)  # measured 0.017 vs 0.016
 
 
+NEAR_TIE = 0.05  # logits: the packed path moves the top logits by ~0.01-0.02 (bf16 activations)
+
+
 def test_greedy_answers_unchanged(fp32_engine, q_engine):
     """The suite's SmolLM2 prompts: the France chat (64 tokens, as in test_model_correctness), the Paris
-    answer and completion of test_engine, and the token-id prompt of test_model_correctness."""
+    answer and completion of test_engine, and the token-id prompt of test_model_correctness. Greedy decoding
+    follows the fp32 model's argmax, except where fp32's two best logits are closer than the packed path's
+    error (a near-tie: on the AVX2 kernel the token-id prompt's 12th token, 5248 vs 744 at 35.060 vs 35.047):
+    there the packed pick must be fp32's runner-up, and the two continuations (of different prefixes) are not
+    compared further. Every case but that one has to match outright."""
     france = fp32_engine.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
+    paris = "The capital of France is"
     cases = [({"input_ids": france}, {"max_new_tokens": 64, "ignore_eos": True}),
-             ({"prompt": "The capital of France is"}, {"max_new_tokens": 5, "ignore_eos": True}),
+             ({"prompt": paris}, {"max_new_tokens": 5, "ignore_eos": True}),
              ({"input_ids": france}, {"max_new_tokens": 24}),
              ({"input_ids": PROMPT_IDS}, {"max_new_tokens": 64, "ignore_eos": True})]
+    ties = 0
     for inputs, params in cases:
         params = {"temperature": 0, **params}
-        want = fp32_engine.generate(**inputs, sampling_params=params)
-        got = q_engine.generate(**inputs, sampling_params=params)
-        assert got["output_ids"] == want["output_ids"], inputs
+        want = fp32_engine.generate(**inputs, sampling_params=params)["output_ids"]
+        got = q_engine.generate(**inputs, sampling_params=params)["output_ids"]
+        if got == want:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(want, got)) if a != b)
+        prompt = inputs.get("input_ids") or fp32_engine.tokenizer(paris, add_special_tokens=True)["input_ids"]
+        top = torch.topk(forward_logits(fp32_engine, list(prompt) + want[:i])[-1], 2)
+        gap = (top.values[0] - top.values[1]).item()
+        assert got[i] == top.indices[1].item() and gap < NEAR_TIE, (inputs, i, want[i], got[i], gap)
+        ties += 1
+    assert ties <= 1, "more than one near-tie among four prompts: the packed path's error has grown"
     assert "Paris" in q_engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                                     {"temperature": 0, "max_new_tokens": 24})["text"]
 

@@ -18,14 +18,14 @@ import zmq
 import zmq.asyncio
 
 from radixlm.srt.entrypoints.http_server import create_app
-from radixlm.srt.managers.io_struct import BatchStrOutput, GenerateReq, SchedulerIn, TokenOutput
+from radixlm.srt.managers.io_struct import BatchStrOutput, FinishReason, GenerateReq, SchedulerIn, TokenOutput
 from radixlm.srt.managers.tokenizer_manager import TokenizerManager
 from radixlm.srt.metrics import Metrics
 from radixlm.srt.server_args import ServerArgs
 from tests.helpers import smollm_tokenizer
 
 PIECES = ["Hel", "lo", " there", "!"]  # one delta per update, one token each
-STOP = {"type": "stop", "matched": 2}
+STOP = FinishReason.stop(2)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def tokenizer():
     return smollm_tokenizer()
 
 
-def _updates(msg: GenerateReq, pieces: list[str], finish: dict) -> list[TokenOutput]:
+def _updates(msg: GenerateReq, pieces: list[str], finish: FinishReason) -> list[TokenOutput]:
     """A request's whole life as updates: one per piece, the last carrying the finish reason."""
     outs = []
     for k, piece in enumerate(pieces):
@@ -136,7 +136,7 @@ def test_native_generate_stream_chunks_are_as_of_their_update(tokenizer, tmp_pat
     # one chunk per update, each with the text and tokens so far; only the last one finished
     assert [e["text"] for e in events] == ["".join(PIECES[: k + 1]) for k in range(len(PIECES))]
     assert [len(e["output_ids"]) for e in events] == [1, 2, 3, 4]
-    assert [e["meta_info"]["finish_reason"] for e in events] == [None] * (len(PIECES) - 1) + [STOP]
+    assert [e["meta_info"]["finish_reason"] for e in events] == [None] * (len(PIECES) - 1) + [STOP.to_dict()]
     assert [len(e["meta_info"]["output_token_logprobs"]) for e in events] == [1, 2, 3, 4]
 
 
@@ -159,7 +159,7 @@ def test_tool_call_stream_ends_with_the_call(tokenizer, tmp_path):
 def test_failed_request_streams_one_error(tokenizer, tmp_path):
     """A request the scheduler fails, with updates before the failure still queued: the stream carries its
     text so far and one error event, then ends."""
-    fail = {"type": "abort", "message": "the server ran out of device memory", "status_code": 503}
+    fail = FinishReason.abort("the server ran out of device memory", status_code=503)
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     status, text = _run(_serve(tokenizer, tmp_path, body, "/v1/chat/completions", finish=fail))
     events = _events(text)

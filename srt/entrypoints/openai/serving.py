@@ -14,6 +14,7 @@ from radixlm.srt.constrained.vocab import token_bytes
 from radixlm.srt.entrypoints.openai import tools as tooling
 from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
 from radixlm.srt.errors import GrammarError, InvalidRequest, RadixLMError
+from radixlm.srt.managers.io_struct import FinishReason
 from radixlm.srt.managers.request_prep import PreparedInput, check_text
 from radixlm.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 from radixlm.srt.sampling.sampling_params import SamplingParams
@@ -31,9 +32,9 @@ class ModelNotFound(RadixLMError):
 class RequestFailed(RadixLMError):
     """A request the scheduler finished with an error (carries the status it chose)."""
 
-    def __init__(self, reason: dict):
-        super().__init__(reason.get("message", "request failed"), param=reason.get("param"))
-        self.status = reason.get("status_code", 500)
+    def __init__(self, reason: FinishReason):
+        super().__init__(reason.message or "request failed", param=reason.param)
+        self.status = reason.status_code or 500
         self.type = "invalid_request_error" if self.status < 500 else "server_error"
 
 
@@ -183,7 +184,7 @@ class OpenAIServing:
         choices = []
         for st in states:
             text = (self._prompt_text(st) if req.echo else "") + st.text
-            choices.append({"index": st.index, "text": text, "finish_reason": _FINISH.get(st.finish_reason["type"]),
+            choices.append({"index": st.index, "text": text, "finish_reason": _FINISH.get(st.finish_reason.type),
                             "logprobs": self._completion_logprobs(st.output_logprobs, st.output_top_logprobs,
                                                                   st.input_logprobs if req.echo else ())
                             if want_lp else None})
@@ -226,7 +227,7 @@ class OpenAIServing:
             lp = None
             if want_lp and out.output_logprobs:
                 lp = self._completion_logprobs(out.output_logprobs, out.output_top_logprobs)
-            finish = _FINISH.get(out.finished_reason["type"]) if out.finished_reason else None
+            finish = _FINISH.get(out.finished_reason.type) if out.finished_reason else None
             if out.delta or finish or lp:
                 yield chunk([{"index": st.index, "text": out.delta, "logprobs": lp, "finish_reason": finish}])
         if req.stream_options and req.stream_options.include_usage:
@@ -388,7 +389,7 @@ class OpenAIServing:
             raise self._grammar_param(field, e) from None
         choices = []
         for st in states:
-            message, finish = {"role": "assistant", "content": st.text}, _FINISH.get(st.finish_reason["type"])
+            message, finish = {"role": "assistant", "content": st.text}, _FINISH.get(st.finish_reason.type)
             if calls_on:
                 content, calls = tooling.parse_tool_calls(st.text, funcs)
                 if calls:
@@ -448,7 +449,7 @@ class OpenAIServing:
                 yield chunk([{"index": st.index, "delta": {"content": delta}, "logprobs": lp,
                               "finish_reason": None}])
             if out.finished_reason:
-                finish = _FINISH.get(out.finished_reason["type"])
+                finish = _FINISH.get(out.finished_reason.type)
                 content, calls = tooling.parse_tool_calls(held[st.rid], funcs) if funcs and held[st.rid] else (None, [])
                 if forced and not calls:  # the grammar forced a call, but the answer ended before it was whole
                     yield sse(_call_incomplete(req.max_completion_tokens or req.max_tokens).to_dict())

@@ -1,9 +1,10 @@
 """Weights kept quantized in memory (`--quantization`, names as in SGLang).
 
-auto: gguf for a GGUF checkpoint with Q4 linears on a CPU our Q4 kernel runs on (AVX-512 BF16), else none.
+auto: gguf for a GGUF checkpoint with Q4 linears on a CPU our Q4 kernel runs on (AVX-512 BF16, or AVX2 with
+      FMA and F16C), else none.
 none: every weight dequantized to the run dtype (the reference path).
 gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit (gguf_int4.py) and run through our C kernel
-      on AVX-512 BF16 (kernels/cpu_kernels.c), else torch's int4 CPU matmul; a Q8_0 embedding keeps its
+      on AVX-512 BF16 or AVX2 (kernels/cpu_kernels.c), else torch's int4 CPU matmul; a Q8_0 embedding keeps its
       8-bit blocks and dequantizes the rows it looks up (gguf_q8.py); a head tied to it runs on those blocks
       through our C kernel, else (no C compiler, or an untied head) as two bf16 GEMMs (hi + lo parts); the
       rest is dequantized.
@@ -34,7 +35,8 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
     prefilled: set[str] = set()  # our parameter names already filled
     names: dict[str, list[str]] = {}
     packed_bytes = 0
-    # Our kernel where the CPU has AVX-512 BF16 (faster at every batch size measured), else torch's int4 op.
+    # Our kernel where the CPU has AVX-512 BF16 or AVX2 (faster than torch's int4 op at every batch size
+    # measured), else torch's int4 op.
     q4_class = Q4DotLinear if cpu_kernels.q4_available() else Int4Linear
     for name, blocks in ckpt.q4_weights():
         target, shard, count = model.checkpoint_target(name)
@@ -79,7 +81,7 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         model.lm_head_quant = SplitBf16Linear.from_rows(lambda s, e: w[s:e], *w.shape)
         head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # no longer read
     logger.info("gguf quantization: %d linears kept in int4 (%s, %.1f MB), embedding %s, output projection %s",
-                len(prefilled) - (table is not None), "our AVX-512 BF16 kernel" if q4_class is Q4DotLinear
+                len(prefilled) - (table is not None), f"our {cpu_kernels.q4_isa()} kernel" if q4_class is Q4DotLinear
                 else "torch's int4 op", packed_bytes / 1e6,
                 "Q8_0 rows" if table is not None else "dequantized",
                 "on the embedding's Q8_0 blocks" if isinstance(model.lm_head_quant, Q8Linear) else

@@ -105,10 +105,11 @@ class Int4Linear:
 
 @dataclass
 class Q4DotLinear:
-    """x @ W.T on the GGUF blocks through our C kernel (kernels/cpu.py q4_gemm: AVX-512 BF16 dot products, 16
-    output rows per vector, the block scales applied once per 32 k). The nibbles and fp16 d, m are exact;
-    x is rounded to bf16 as for torch's int4 op, whose bf16 scales it does not need. 1.5-1.9x faster than
-    that op on SmolLM2's shapes at 1, 16 and 128 rows; `Int4Linear` where the CPU lacks AVX-512 BF16."""
+    """x @ W.T on the GGUF blocks through our C kernel (kernels/cpu.py q4_gemm: AVX-512 BF16 dot products or
+    AVX2 FMAs, 16 output rows per tile, the block scales applied once per 32 k). The nibbles and fp16 d, m
+    are exact; x is rounded to bf16 as for torch's int4 op, whose bf16 scales it does not need. 1.5-1.9x
+    faster than that op on SmolLM2's shapes at 1, 16 and 128 rows on AVX-512 BF16, 1.7-2.3x at 1, 4, 16 and
+    128 rows on AVX2 (one thread); `Int4Linear` where the CPU has neither."""
 
     qs: torch.Tensor  # [N/16, K/32, 16, 16] uint8
     dm: torch.Tensor  # [N/16, K/32, 2, 16] fp16

@@ -11,16 +11,17 @@ import msgspec
 import torch
 import zmq
 
+from radixlm.srt import env
+from radixlm.srt.cpu_guard import CpuGuard, cpu_list, guard_wanted, read_lost_ticks
 from radixlm.srt.errors import RadixLMError
-from radixlm.srt.managers.cpu_guard import CpuGuard, cpu_list, guard_wanted, read_lost_ticks
-from radixlm.srt.managers.io_struct import (AbortReq, BatchTokenOutput, ControlReq, ControlResp, GenerateReq,
-                                            SchedulerIn, TokenOutput)
-from radixlm.srt.managers.req import Req
+from radixlm.srt.managers.io_struct import (AbortReq, BatchTokenOutput, ControlReq, ControlResp, FinishReason,
+                                            GenerateReq, SchedulerIn, TokenOutput)
 from radixlm.srt.managers.request_prep import stop_token_ids
-from radixlm.srt.managers.scheduler import Scheduler
 from radixlm.srt.model_executor.model_runner import ModelRunner
-from radixlm.srt.model_loader.loader import load_model
+from radixlm.srt.model_loader.loader import LoadedModel, load_model
 from radixlm.srt.sampling.sampling_params import SamplingParams
+from radixlm.srt.scheduler.req import Req
+from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
 from radixlm.srt.utils import configure_logging, die_with_parent, parent_alive
 
@@ -42,7 +43,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
                             context_length=args.context_length, served_model_name=args.served_model_name,
                             load_format=args.load_format, quantization=args.quantization)
         runner = ModelRunner(loaded, args)
-        if runner.device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        if runner.device.type == "cuda" and not env.OMP_NUM_THREADS.is_set():
             # Host tensors here are bookkeeping (slot lists, sampling parameters). A pool of OpenMP threads
             # spinning after each parallel op would take cores from the other server processes and stall this
             # loop (as vLLM, one thread unless the operator says otherwise).
@@ -69,8 +70,15 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, loaded, endpoints: dict, parent_pid: int):
+    def __init__(self, scheduler: Scheduler, loaded: LoadedModel, endpoints: dict, parent_pid: int):
         self.scheduler = scheduler
+        self.step = scheduler.step
+        self.trace = None
+        if env.STEP_TRACE.get():  # opt-in: the diagnostics room is imported only then
+            from radixlm.srt.diagnostics.step_trace import StepTrace, trace_path
+
+            self.trace = StepTrace(trace_path(env.STEP_TRACE.get()))
+            self.step = self.trace.wrap(scheduler)
         self.eos_ids = loaded.config.eos_token_ids
         self.parent_pid = parent_pid
         ctx = zmq.Context()
@@ -96,9 +104,9 @@ class SchedulerLoop:
             if self.cpu_guard is not None:
                 self.cpu_guard.tick()
             if self.scheduler.has_work():
-                outputs = self.scheduler.step()
+                outputs = self.step()
                 if outputs:
-                    self.to_detok.send(self.encoder.encode(BatchTokenOutput(outputs, time.perf_counter())))
+                    self.to_detok.send(self.encoder.encode(BatchTokenOutput(outputs)))
 
     def _drain(self) -> None:
         while True:
@@ -123,7 +131,7 @@ class SchedulerLoop:
                       stream=msg.stream, grammar_spec=params.grammar())
             self.scheduler.add(req)
         except RadixLMError as e:  # the tokenizer manager checks first; this is the backstop
-            reason = {"type": "abort", "message": e.message, "status_code": e.status, "param": e.param}
+            reason = FinishReason.abort(e.message, e.status, e.param)
             out = TokenOutput(rid=msg.rid, new_ids=[], prompt_tokens=len(msg.input_ids), completion_tokens=0,
                               cached_tokens=0, finished_reason=reason, detok={})
             self.to_detok.send(self.encoder.encode(BatchTokenOutput([out])))
@@ -131,6 +139,8 @@ class SchedulerLoop:
     def _control(self, msg: ControlReq) -> None:
         if msg.kind == "flush_cache":
             resp = ControlResp(msg.id, self.scheduler.flush_cache())
+            if self.trace is not None:  # a quiet moment: write the trace out (servers are killed, not exited)
+                self.trace.flush()
         elif msg.kind == "get_stats":
             stats = self.scheduler.get_stats()
             if self.cpu_guard is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from radixlm.srt.managers.req import Req
+from radixlm.srt.scheduler.req import Req
 from radixlm.srt.mem_cache.radix_cache import RadixCache
 
 # Matching every waiting request against the tree costs time proportional to the queue; past this length

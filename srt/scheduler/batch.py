@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixlm.srt.layers.sampler import PenaltyInfo, SamplingBatchInfo
-from radixlm.srt.managers.req import Req
+from radixlm.srt.scheduler.req import Req
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 from radixlm.srt.utils import to_device
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from radixlm.srt.managers.io_struct import FinishReason
 from radixlm.srt.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixlm.srt.constrained.base import GrammarSpec, Matcher
+    from radixlm.srt.mem_cache.radix_cache import TreeNode
 
 
 @dataclass(eq=False)
@@ -21,8 +28,8 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # first prompt position to return logprobs for; -1: none
     stream: bool = False
-    grammar_spec: object = None  # GrammarSpec when constrained
-    grammar: object = None  # its Matcher, once compiled (the request waits in the grammar queue until then)
+    grammar_spec: GrammarSpec | None = None  # when constrained
+    grammar: Matcher | None = None  # its matcher, once compiled (the request waits in the grammar queue until then)
 
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping: fill_ids[:kv_len] have KV in the slots of row `req_pool_idx`; the first
@@ -30,12 +37,12 @@ class Req:
     req_pool_idx: int | None = None
     kv_len: int = 0
     prefix_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: object = None
+    last_node: TreeNode | None = None
     extend_len: int = 0  # tokens computed in the current extend step
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admitted: bool = False
     retractions: int = 0
-    finished_reason: dict | None = None
+    finished_reason: FinishReason | None = None
     # Overlap scheduling: the token sampled by the last launched step, which the host has not read yet, lives
     # at runner.future_map[pending_ref]. `epoch` changes on retraction, so results of steps launched before
     # are recognised as stale and dropped.
@@ -80,7 +87,7 @@ class Req:
         last = self.output_ids[-1]
         params = self.sampling_params
         if len(self.output_ids) >= params.min_new_tokens and last in self.stop_token_ids:
-            self.finished_reason = {"type": "stop", "matched": last}
+            self.finished_reason = FinishReason.stop(last)
             return
         if params.stop and len(self.output_ids) >= params.min_new_tokens:
             # Before the length limit: a stop string ending on the last allowed token is still a stop (and is
@@ -90,7 +97,7 @@ class Req:
             tail = tokenizer.decode(self.output_ids[-tail_tokens:], skip_special_tokens=params.skip_special_tokens)
             for s in params.stop:
                 if s in tail:
-                    self.finished_reason = {"type": "stop", "matched": s}
+                    self.finished_reason = FinishReason.stop(s)
                     return
         if len(self.output_ids) >= self.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= context_length:
-            self.finished_reason = {"type": "length", "length": len(self.output_ids)}
+            self.finished_reason = FinishReason.of_length(len(self.output_ids))
