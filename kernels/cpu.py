@@ -93,6 +93,7 @@ def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
         fn.argtypes, fn.restype = args, None
     lib.q8_gemm_avx512.restype = ctypes.c_int
     lib.q4_gemm_available.restype = ctypes.c_int
+    lib.q4_gemm_isa.restype = ctypes.c_int
     return lib
 
 
@@ -101,9 +102,12 @@ def describe() -> str:
     lib = load()
     if lib is None:
         return "torch ops (no C compiler)"
-    if lib.q4_gemm_available():
+    isa = q4_isa()
+    if isa == "AVX-512 BF16":
         return "our C kernels (AVX-512 BF16)"
-    return "our C kernels (AVX-512)" if lib.q8_gemm_avx512() else "our C kernels (portable: no AVX-512)"
+    if isa == "AVX2":
+        return "our C kernels (AVX-512; Q4 on AVX2)" if lib.q8_gemm_avx512() else "our C kernels (AVX2)"
+    return "our C kernels (AVX-512)" if lib.q8_gemm_avx512() else "our C kernels (portable C)"
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -218,11 +222,18 @@ def silu_mul_bf16_ref(gu: torch.Tensor) -> torch.Tensor:
     return (F.silu(g) * u).to(torch.bfloat16)
 
 
-# --- x @ W.T on Q4_0 / Q4_1 blocks (AVX-512 BF16) --------------------------------------------------------------
+# --- x @ W.T on Q4_0 / Q4_1 blocks (AVX-512 BF16 or AVX2) -------------------------------------------------------
 def q4_available() -> bool:
-    """Whether this CPU and compiler gave the library its Q4 kernel (AVX-512 BF16 dot products)."""
+    """Whether this CPU and compiler gave the library its Q4 kernel (AVX-512 BF16 dot products, or AVX2 with
+    FMA and F16C)."""
     lib = load()
     return lib is not None and bool(lib.q4_gemm_available())
+
+
+def q4_isa() -> str | None:
+    """Which Q4 kernel the library holds: "AVX-512 BF16", "AVX2", or None."""
+    lib = load()
+    return None if lib is None else {2: "AVX-512 BF16", 1: "AVX2"}.get(lib.q4_gemm_isa())
 
 
 def q4_pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,11 +264,11 @@ def q4_gemm(qs: torch.Tensor, dm: torch.Tensor, x: torch.Tensor, n: int, k: int)
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
-    pairs = rows * (k // 2)
-    buf = _q4_scratch(pairs + rows * (k // 32))
+    words = rows * k  # the AVX2 path's fp32 copy of x; the AVX-512 one's bf16 pairs take half of it
+    buf = _q4_scratch(words + rows * (k // 32))
     y = torch.empty(rows, n, dtype=torch.float32)
     ptr = buf.data_ptr()
-    load().q4_gemm(qs.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), ptr, ptr + 4 * pairs, y.data_ptr(), rows,
+    load().q4_gemm(qs.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), ptr, ptr + 4 * words, y.data_ptr(), rows,
                    n, k)
     return y
 

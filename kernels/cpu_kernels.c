@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -261,8 +261,57 @@ static void q8_rows(const int8_t *q, const float *d, const float *x, float *y, i
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same on AVX2: a block's 32 weights are four 8-lane vectors. Up to 8 rows of x per pass (8 accumulators
+   + 4 weight vectors + a load fit the 16 ymm registers); with fewer rows each row gets 2 or 4 accumulators,
+   so that its FMAs are not one dependent chain. */
+#define MB8 8
+
+static inline __attribute__((always_inline)) void q8_tile_avx2(int MC, const int8_t *q, const float *d,
+                                                               const float *x, float *y, int64_t m0, int64_t n0,
+                                                               int64_t n1, int64_t K, int64_t ldx, int64_t ldy) {
+    const int64_t nb = K / 32;
+    const int A = MC <= 2 ? 4 : MC <= 4 ? 2 : 1; /* accumulators per row */
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *qr = q + n * K;
+        const float *dr = d + n * nb;
+        const float *xr = x + m0 * ldx;
+        __m256 acc[MB8][4];
+        for (int i = 0; i < MC; i++)
+            for (int a = 0; a < A; a++) acc[i][a] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 s = _mm256_broadcast_ss(dr + b);
+            __m256 w[4];
+            for (int j = 0; j < 4; j++)
+                w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64((const __m128i *)(qr + 32 * b + 8 * j)))), s);
+            for (int i = 0; i < MC; i++)
+                for (int j = 0; j < 4; j++)
+                    acc[i][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + i * ldx + 32 * b + 8 * j),
+                                                    acc[i][j % A]);
+        }
+        for (int i = 0; i < MC; i++) {
+            __m256 v = acc[i][0];
+            for (int a = 1; a < A; a++) v = _mm256_add_ps(v, acc[i][a]);
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            y[(m0 + i) * ldy + n] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+        }
+    }
+}
+
+static void q8_rows(const int8_t *q, const float *d, const float *x, float *y, int64_t M, int64_t n0,
+                    int64_t n1, int64_t K, int64_t ldx, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MB8) {
+        switch (M - m0 < MB8 ? M - m0 : MB8) {
+#define CASE(c) case c: q8_tile_avx2(c, q, d, x, y, m0, n0, n1, K, ldx, ldy); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        }
+    }
+}
 #else
-/* Portable fallback (no AVX-512): the same sums, vectorized by the compiler as it can. */
+/* Portable fallback (no AVX2): the same sums, vectorized by the compiler as it can. */
 static void q8_rows(const int8_t *q, const float *d, const float *x, float *y, int64_t M, int64_t n0,
                     int64_t n1, int64_t K, int64_t ldx, int64_t ldy) {
     for (int64_t n = n0; n < n1; n++) {
@@ -352,6 +401,7 @@ static inline __attribute__((always_inline)) void q4_tile(int MC, const uint8_t 
 }
 
 int q4_gemm_available(void) { return 1; }
+int q4_gemm_isa(void) { return 2; } /* 2: AVX-512 BF16, 1: AVX2, 0: none */
 
 /* xp, xs: scratch of M * K/2 uint32 and M * K/32 floats, filled here from x (row stride ldx). */
 void q4_gemm(const uint8_t *qs, const uint16_t *dm, const float *x, int64_t ldx, uint32_t *xp, float *xs, float *y,
@@ -373,8 +423,113 @@ void q4_gemm(const uint8_t *qs, const uint16_t *dm, const float *x, int64_t ldx,
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The same sums on AVX2 (+ FMA, F16C): a tile's 16 rows are two ymm halves (lanes 0-7, 8-15 of the packed
+   tile). Each pair's 16 bytes become four fp32 vectors (even k, odd k; each half): zero-extend to int32, mask
+   or shift out the nibble, convert (exact). x is taken as fp32 copies of its bf16-rounded values, broadcast one
+   k at a time, so every product q x is exact in fp32 (a 4-bit integer times an 8-bit mantissa) and a block's
+   sums are the ones the AVX-512 kernel forms; d and m are applied once per block as there.
+   Up to Q4_MT rows of x per pass share each unpacked weight vector (unpacking costs as much as the FMAs of
+   about two rows). Accumulators: 2 halves per row, split further by k (even/odd k, and pair parity for one
+   row) so that 6-8 independent FMA chains hide the FMA latency; at 4 rows the 8 accumulators, the 4 weight
+   vectors and the broadcasts fill the 16 ymm registers (the block totals, touched once per 32 k, may stay
+   in L1). */
+#define Q4_MT 4
+
+/* x [M, K] fp32 -> xf [M, K] its values rounded to bf16 (kept as fp32), xs [M, K/32] their block sums. */
+static void q4_prepare_x_f32(const float *x, int64_t ldx, float *xf, float *xs, int64_t M, int64_t K) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        float *f = xf + r * K;
+        for (int64_t k = 0; k < K; k++) f[k] = bf16_to_f32(f32_to_bf16(xr[k]));
+        for (int64_t b = 0; b < K / 32; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += f[b * 32 + j];
+            xs[r * (K / 32) + b] = s;
+        }
+    }
+}
+
+/* One 16-row tile (q, sc: its packed blocks and scales) against rows m0..m0+MC of x; y is the tile's first
+   column of row 0. MC a constant after inlining, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void q4_tile_avx2(int MC, const uint8_t *q, const uint16_t *sc,
+                                                               const float *xf, const float *xs, float *y,
+                                                               int64_t m0, int64_t nb, int64_t K, int64_t N) {
+    const __m256i lo = _mm256_set1_epi32(0x0F);
+    const int S = MC == 1 ? 4 : MC == 2 ? 2 : 1; /* accumulator sets per row: chains = 2 MC S */
+    __m256 tot[Q4_MT][2], acc[Q4_MT][4][2];
+    for (int i = 0; i < MC; i++) tot[i][0] = tot[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int i = 0; i < MC; i++)
+            for (int c = 0; c < S; c++) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+        const uint8_t *qb = q + b * 256;
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + p * 16)));
+            const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + p * 16 + 8)));
+            const __m256 we0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, lo));
+            const __m256 we1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, lo));
+            const __m256 wo0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+            const __m256 wo1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+            const int ce = (2 * p) % S, co = (2 * p + 1) % S;
+            for (int i = 0; i < MC; i++) {
+                const float *xk = xf + (m0 + i) * K + b * 32 + 2 * p;
+                const __m256 xe = _mm256_broadcast_ss(xk), xo = _mm256_broadcast_ss(xk + 1);
+                acc[i][ce][0] = _mm256_fmadd_ps(we0, xe, acc[i][ce][0]);
+                acc[i][ce][1] = _mm256_fmadd_ps(we1, xe, acc[i][ce][1]);
+                acc[i][co][0] = _mm256_fmadd_ps(wo0, xo, acc[i][co][0]);
+                acc[i][co][1] = _mm256_fmadd_ps(wo1, xo, acc[i][co][1]);
+            }
+        }
+        const uint16_t *s = sc + b * 32;
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));
+        const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16)));
+        const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 24)));
+        for (int i = 0; i < MC; i++) {
+            for (int c = 1; c < S; c++) {
+                acc[i][0][0] = _mm256_add_ps(acc[i][0][0], acc[i][c][0]);
+                acc[i][0][1] = _mm256_add_ps(acc[i][0][1], acc[i][c][1]);
+            }
+            const __m256 sum = _mm256_broadcast_ss(xs + (m0 + i) * nb + b);
+            tot[i][0] = _mm256_fmadd_ps(n0, sum, _mm256_fmadd_ps(acc[i][0][0], d0, tot[i][0]));
+            tot[i][1] = _mm256_fmadd_ps(n1, sum, _mm256_fmadd_ps(acc[i][0][1], d1, tot[i][1]));
+        }
+    }
+    for (int i = 0; i < MC; i++) {
+        _mm256_storeu_ps(y + (m0 + i) * N, tot[i][0]);
+        _mm256_storeu_ps(y + (m0 + i) * N + 8, tot[i][1]);
+    }
+}
+
+int q4_gemm_available(void) { return 1; }
+int q4_gemm_isa(void) { return 1; }
+
+/* xp, xs: scratch of M * K floats and M * K/32 floats, filled here from x (row stride ldx). Tiles of 16
+   output rows are split across the threads; each runs x's rows against it in passes of at most Q4_MT, the
+   passes balanced (17 rows: 3 + 3 + 3 + 4 + 4, not 4 x 4 + 1), and its packed blocks stay in L1 between
+   passes. */
+void q4_gemm(const uint8_t *qs, const uint16_t *dm, const float *x, int64_t ldx, uint32_t *xp, float *xs, float *y,
+             int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, passes = (M + Q4_MT - 1) / Q4_MT;
+    float *xf = (float *)xp;
+    q4_prepare_x_f32(x, ldx, xf, xs, M, K);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N / 16; t++) {
+        for (int64_t r = 0, m0 = 0; r < passes; r++) {
+            const int64_t mc = (M - m0) / (passes - r);
+            switch (mc) {
+#define CASE(c) case c: q4_tile_avx2(c, qs + t * nb * 256, dm + t * nb * 32, xf, xs, y + t * 16, m0, nb, K, N); break;
+                CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+            }
+            m0 += mc;
+        }
+    }
+}
 #else
 int q4_gemm_available(void) { return 0; }
+int q4_gemm_isa(void) { return 0; }
 
 void q4_gemm(const uint8_t *qs, const uint16_t *dm, const float *x, int64_t ldx, uint32_t *xp, float *xs, float *y,
              int64_t M, int64_t N, int64_t K) {
@@ -382,4 +537,3 @@ void q4_gemm(const uint8_t *qs, const uint16_t *dm, const float *x, int64_t ldx,
     (void)qs, (void)dm, (void)x, (void)ldx, (void)xp, (void)xs, (void)y, (void)M, (void)N, (void)K;
 }
 #endif
-

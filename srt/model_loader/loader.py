@@ -144,13 +144,14 @@ def _trim_heap() -> None:
 
 
 def resolve_quantization(quantization: str, ckpt, device: torch.device, load_format: str) -> str:
-    """The method the load uses. auto keeps a GGUF file's Q4 linears packed where our Q4 kernel runs them (a CPU
-    with AVX-512 BF16: several times the fp32 path's decode speed, an eighth of its memory); elsewhere torch's
-    int4 op would be the one to run them, which is no faster than fp32 on CPUs without AVX-512, so auto
-    dequantizes (gguf still asks for it)."""
+    """The method the load uses. auto keeps a GGUF file's Q4 linears packed where our AVX-512 BF16 Q4 kernel
+    runs them (several times the fp32 path's decode speed, an eighth of its memory); elsewhere it dequantizes,
+    and gguf asks for the packed weights: our AVX2 Q4 kernel runs them on a CPU with AVX2 (3-5x the fp32 path's
+    decode speed on a 2-core EPYC, benchmarks/results/README.md), torch's int4 op on any other (no faster than
+    fp32 without AVX-512)."""
     is_gguf = isinstance(ckpt, GGUFCheckpoint) and load_format != "dummy"
     if quantization == "auto":
-        fast = device.type == "cpu" and is_gguf and ckpt.has_q4_weights() and cpu_kernels.q4_available()
+        fast = device.type == "cpu" and is_gguf and ckpt.has_q4_weights() and cpu_kernels.q4_isa() == "AVX-512 BF16"
         return "gguf" if fast else "none"
     if quantization == "none":
         return quantization

@@ -160,12 +160,13 @@ def test_gguf_quantization_needs_a_gguf_checkpoint_on_cpu(tmp_path):
 
 
 def test_auto_keeps_q4_blocks_where_our_kernel_runs_them(tmp_path, smol_engine):
-    """auto is gguf exactly for a Q4 GGUF on a CPU our Q4 kernel runs on; none for the rest (an HF checkpoint,
-    dummy weights, another device). The session's default engine is what auto chose here."""
+    """auto is gguf exactly for a Q4 GGUF on a CPU our AVX-512 BF16 Q4 kernel runs on (the AVX2 one runs with
+    an explicit gguf); none for the rest (an HF checkpoint, dummy weights, another device). The session's
+    default engine is what auto chose here."""
     ckpt = GGUFCheckpoint(default_model_path())
     assert ckpt.has_q4_weights()
     cpu = torch.device("cpu")
-    expected = "gguf" if cpu_kernels.q4_available() else "none"
+    expected = "gguf" if cpu_kernels.q4_isa() == "AVX-512 BF16" else "none"
     assert resolve_quantization("auto", ckpt, cpu, "auto") == expected
     assert smol_engine.server_args.quantization == "auto"
     assert smol_engine.loaded.quantization == expected
