@@ -25,7 +25,7 @@ import radixlm  # first: it sets OpenMP's passive wait before torch loads the ru
 import torch
 
 from radixlm.srt.scheduler.batch import sampling_info
-from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
+from radixlm.srt.model_executor.synthetic import decode_spec, mixed_spec, release
 
 
 def _profile(served, plain, path: str, bs) -> None:
@@ -80,12 +80,7 @@ def timeline(trace: dict, steps: int) -> list[str]:
 
 def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: str | None = None) -> dict:
     r = engine.runner
-    rows = [r.req_to_token_pool.alloc() for _ in range(bs)]
-    slots = r.token_to_kv_pool.alloc(bs * (ctx + 1))
-    for i, row in enumerate(rows):
-        r.req_to_token_pool.write(row, 0, slots[i * (ctx + 1):(i + 1) * (ctx + 1)])
-    loc = slots.view(bs, ctx + 1)[:, ctx].clone()
-    spec = BatchSpec(ForwardMode.DECODE, [100 + i for i in range(bs)], [ctx] * bs, rows, [ctx + 1] * bs, loc)
+    spec, slots, rows = decode_spec(r, bs, ctx)
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
 
     class _Req:  # the sampling view of a greedy request
@@ -101,7 +96,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         return r.sample(r.run_forward(spec), info).wait()[0].next_ids
 
     def plain():
-        return r.forward(spec.build(r.device, None), piecewise=False).argmax(-1).tolist()
+        return r.forward(spec.build(r.device, None)).argmax(-1).tolist()
 
     def pipelined():
         """Steps as the overlap scheduler runs them: step k+1 is launched before step k's ids are read."""
@@ -118,7 +113,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         alone, i.e. the graph launches, plus for FlashInfer the input kernel and the plan) and its sampling are
         launched: the device waits this long when steps do not overlap. Also when, on the device's clock, the
         forward and the sampling end, and when the host has the ids."""
-        g = r.graph_runner
+        g = r.graphs.decode if r.graphs is not None else None
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         marks[0].record()
         t0 = time.perf_counter()
@@ -135,7 +130,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         # mark is taken as the host starts the step, the device being idle then)
         device = [marks[0].elapsed_time(marks[i]) / 1e3 for i in (1, 2)]
         replay = 0.0
-        if g is not None and bs <= g.max_bs:
+        if g is not None and bs <= g.max_size:
             t3 = time.perf_counter()
             g.relaunch(bs)
             replay = time.perf_counter() - t3
@@ -177,39 +172,12 @@ def _median_s(fn, repeats: int, sync, settle=None) -> float:
     return statistics.median(times)
 
 
-def mixed_spec(r, decodes: int, ctx: int, prompt: int, ids: list[int] | None = None,
-               all_logits: bool = False) -> tuple[BatchSpec, torch.Tensor, list[int]]:
-    """An extend batch of `decodes` requests decoding at context `ctx` plus one new `prompt`-token request, on
-    runner `r`'s pools; returns (spec, KV slots, request rows) for `release`. Logits: each request's last row,
-    or every row."""
-    rows = [r.req_to_token_pool.alloc() for _ in range(decodes + 1)]
-    slots = r.token_to_kv_pool.alloc(decodes * (ctx + 1) + prompt)
-    for i, row in enumerate(rows[:decodes]):
-        r.req_to_token_pool.write(row, 0, slots[i * (ctx + 1):(i + 1) * (ctx + 1)])
-    new = slots[decodes * (ctx + 1):]
-    r.req_to_token_pool.write(rows[-1], 0, new)
-    loc = torch.cat([slots[:decodes * (ctx + 1)].view(decodes, ctx + 1)[:, ctx], new])
-    t = decodes + prompt
-    spec = BatchSpec(ForwardMode.EXTEND, ids or [100 + i % 1000 for i in range(t)],
-                     [ctx] * decodes + list(range(prompt)), rows, [ctx + 1] * decodes + [prompt], loc,
-                     logits_indices=list(range(t)) if all_logits else list(range(decodes)) + [t - 1],
-                     extend_prefix_lens=[ctx] * decodes + [0], extend_seq_lens=[1] * decodes + [prompt])
-    return spec, slots, rows
-
-
-def release(r, slots: torch.Tensor, rows: list[int]) -> None:
-    r.token_to_kv_pool.free(slots)
-    for row in rows:
-        r.req_to_token_pool.free(row)
-
-
 def mixed_times(engine, decode_bs: int, prefill: int, ctx: int, repeats: int, profile: str | None = None) -> dict:
     """One mixed step (`mixed_spec`) through the runner's graphs (whole or piecewise, where they fit) and eager."""
     r = engine.runner
     spec, slots, rows = mixed_spec(r, decode_bs, ctx, prefill)
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
-    runs = {"graphs": lambda: r.run_forward(spec), "eager": lambda: r.forward(spec.build(r.device, None),
-                                                                                 piecewise=False)}
+    runs = {"graphs": lambda: r.run_forward(spec), "eager": lambda: r.forward(spec.build(r.device, None))}
     out = {name: _median_s(run, repeats, sync, sync) for name, run in runs.items()}
     # The host's part alone: until the launch returns (the device may still be running it).
     out["graphs_launch"] = _median_s(runs["graphs"], repeats, sync)
@@ -228,7 +196,7 @@ def main():
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
-    ap.add_argument("--extend-cuda-graph", default="auto", choices=["auto", "whole", "piecewise"])
+    ap.add_argument("--extend-cuda-graph", default="auto", choices=["auto", "whole", "piecewise", "off"])
     ap.add_argument("--eager", action="store_true", help="also time the eager forward of the same batch")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=128)
@@ -252,7 +220,7 @@ def main():
     for line in getattr(tuner, "report", []):
         print("skinny matmul:", line, flush=True)
     rows = []
-    graphs = r.graph_runner is not None
+    graphs = r.uses_cuda_graphs
     for bs in args.batch_sizes:
         t = step_times(engine, bs, args.context, args.repeats, args.eager, args.profile)
         row = {"batch": bs, "context": args.context, "backend": r.attn_backend_name, "kernels": r.kernel_ops.name,
@@ -277,7 +245,9 @@ def main():
     mixed_rows = []
     for d, p in mixed:
         t = mixed_times(engine, d, p, args.context, args.repeats, args.profile)
-        kind = "whole" if r.extend_runner is not None else "piecewise" if r.piecewise_runner is not None else "none"
+        g = r.graphs
+        kind = ("whole" if g is not None and g.whole is not None else "piecewise" if g is not None
+                and g.piecewise is not None else "none")
         mixed_rows.append({"decodes": d, "prompt": p, "context": args.context, "graphs": kind,
                            "graphs_ms": t["graphs"] * 1e3, "graphs_host_launch_ms": t["graphs_launch"] * 1e3,
                            "eager_ms": t["eager"] * 1e3})

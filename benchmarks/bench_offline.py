@@ -61,7 +61,7 @@ def main():
     stats = engine.get_stats()
     offline_report(args, data, sum(len(o["output_ids"]) for o in outs), elapsed,
                    attention_backend=engine.runner.attn_backend_name,
-                   cuda_graph=engine.runner.graph_runner is not None, overlap=engine.scheduler.overlap,
+                   cuda_graph=engine.runner.uses_cuda_graphs, overlap=engine.scheduler.overlap,
                    device=torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else platform.processor(),
                    engine_args=extra, decode_steps=stats["decode_steps"], extend_steps=stats["extend_steps"],
                    retractions=stats["retractions"])

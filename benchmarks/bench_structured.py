@@ -120,7 +120,7 @@ def main() -> None:
     for backend in args.backends:
         for jf in (True, False):
             engine = radixlm.Engine(args.model_path, log_level="warning", grammar_backend=backend,
-                                    disable_jump_forward=not jf, enable_jump_forward=jf)
+                                    jump_forward="on" if jf else "off")
             cases = ["none", "json", "json", "regex"] if jf else ["json", "regex"]
             for i, kind in enumerate(cases):
                 row = run_case(engine, kind, args.num_requests, args.temperature, args.max_new_tokens)

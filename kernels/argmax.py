@@ -1,7 +1,7 @@
 """Row argmax over the vocabulary (greedy sampling), in two passes: chunk maxima, then one merge per row.
 
-torch's argmax over a [B, 128256] float32 row runs as one reduction per row and takes about 28 us on an H100
-at batch 1, a launch-bound few percent of a batch-1 decode step. Splitting each row into chunks fills the GPU;
+torch's argmax over a [B, 128256] float32 row runs as one reduction per row: tens of us at batch 1, a few
+percent of a batch-1 decode step. Splitting each row into chunks fills the GPU;
 ties resolve to the lowest index, as torch's do.
 """
 from __future__ import annotations

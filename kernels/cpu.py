@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixlm.srt import env
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -69,7 +71,7 @@ def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     code paths on this machine too)."""
     from radixlm.srt.model_loader.default_model import cache_dir
 
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = env.CC.get() or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         logger.info("no C compiler: CPU decode runs on torch ops only")
         return None

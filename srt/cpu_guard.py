@@ -1,13 +1,12 @@
 """Keeps a latency-critical loop off CPUs that something else takes time from.
 
-On the lent H100 VMs one or two CPUs (0, 1, sometimes 2) lose 8-40% of their time to softirqs. The kernel does
-not count that time as load, so a busy loop may well sit there, and then it loses the CPU several milliseconds at
-a time. `CpuGuard` reads each CPU's interrupt, softirq and steal time from /proc/stat every CHECK_S. When the CPU
+On some virtual machines one or two CPUs lose a large share of their time to interrupts and softirqs (network
+and block devices are often bound to CPU 0 or 1). The kernel does not count that time as load, so a busy loop
+may well sit there, and then it loses the CPU several milliseconds at a time. `CpuGuard` reads each CPU's interrupt, softirq and steal time from /proc/stat every CHECK_S. When the CPU
 the calling thread runs on lost more than HOT of the last window, it restricts the thread to the CPUs that lost
 less than QUIET (out of those it was allowed at the start). The thresholds are low because the loss comes in
-bursts: a scheduler on a CPU losing about 10% on average still stalled 5-10 ms at a time, while quiet CPUs lose
-0-1%. This removes one cause of host stalls. The c32 latency tail on some of those machines has another cause
-(results README, session 11).
+bursts: a loop on a CPU losing about 10% on average can still stall 5-10 ms at a time, while quiet CPUs lose
+0-1%. This removes one cause of host stalls, not all (benchmarks/results/README.md has the measurements).
 """
 from __future__ import annotations
 

@@ -55,18 +55,16 @@ class ServerArgs:
     flashinfer_prefill_backend: str = _opt("fa2", "FlashInfer prefill kernels: fa2 shares one JIT module with "
                                            "decode (one compile at first start); fa3 (Hopper) or auto add a "
                                            "second", ("fa2", "fa3", "auto"))
-    disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying captured CUDA graphs")
+    disable_cuda_graph: bool = _opt(False, "run every batch eagerly: no CUDA graphs at all")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph (default: 256 on "
                                          "GPUs of 60 GB or more, 160 from 30 GB, else 64)")
-    disable_piecewise_cuda_graph: bool = _opt(False, "run prefill and mixed batches fully eagerly instead of "
-                                              "replaying graphs of everything between attention calls")
-    piecewise_cuda_graph_max_tokens: int = _opt(4096, "largest prefill/mixed batch (tokens) run through the "
-                                                "piecewise CUDA graphs; larger ones run eagerly")
-    extend_cuda_graph: str = _opt("auto", "CUDA graphs for prefill/mixed batches: whole (attention inside; "
+    extend_cuda_graph: str = _opt("auto", "CUDA graphs for prefill and mixed batches: whole (attention inside; "
                                   "backends whose extend attention needs no host plan: triton), piecewise "
-                                  "(attention eager between graphs), auto (whole where the backend can, piecewise for "
-                                  "the batches whole graphs have no room for)",
-                                  ("auto", "whole", "piecewise"))
+                                  "(attention eager between graphs; any backend), auto (whole where the backend "
+                                  "can, piecewise for the batches whole graphs have no room for), off",
+                                  ("auto", "whole", "piecewise", "off"))
+    extend_cuda_graph_max_tokens: int = _opt(4096, "largest prefill/mixed batch (tokens) run through extend CUDA "
+                                             "graphs; larger ones run eagerly")
     disable_overlap_schedule: bool = _opt(False, "schedule the next step only after the current one's tokens "
                                           "are back on the host")
     force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "
@@ -87,12 +85,10 @@ class ServerArgs:
     grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile, from when a worker starts "
                                           "it, before its request fails with a 400 (queued requests fail with a "
                                           "503 only if no worker comes free for this long)")
-    disable_jump_forward: bool = _opt(False, "sample grammar-forced text token by token instead of appending "
-                                      "it in one extend")
-    enable_jump_forward: bool = _opt(False, "jump-forward under overlap scheduling too (the default on CUDA), "
-                                     "where it is off unless asked for: every jump costs the request an extend "
-                                     "step, which halved JSON-schema throughput at 64 concurrent requests on an "
-                                     "H100")
+    jump_forward: str = _opt("auto", "append text a grammar forces in one extend instead of sampling it token by "
+                             "token: on, off, or auto (on without overlap scheduling; off with it, the default on "
+                             "CUDA, where every jump costs the request an extend step, which halved JSON-schema "
+                             "throughput at 64 concurrent requests)", ("auto", "on", "off"))
 
     def __post_init__(self) -> None:
         if self.tp_size != 1:
@@ -100,7 +96,7 @@ class ServerArgs:
         if self.decode_prefill_budget is not None and self.decode_prefill_budget == 0:
             raise ValueError("decode_prefill_budget must be positive, or -1 for off")
         for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "cuda_graph_max_bs",
-                     "piecewise_cuda_graph_max_tokens"):
+                     "extend_cuda_graph_max_tokens"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -30,7 +30,7 @@ def smol_engine():
     import radixlm
 
     # Jump-forward on under overlap scheduling too (the CUDA default), so the grammar tests test it there as well.
-    engine = radixlm.Engine(log_level="warning", max_total_tokens=16384, dtype=TEST_DTYPE, enable_jump_forward=True)
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=16384, dtype=TEST_DTYPE, jump_forward="on")
     yield engine
     engine.shutdown()
 

@@ -107,7 +107,7 @@ def assert_runner_matches_eager(r, graphed) -> None:
     decodes at context 5 + a 21-token prompt: 24 tokens, padded to a 32 bucket) and on a prompt filling its
     bucket exactly: the same logits of every row, and no slot of the pool written but the batch's own and
     slot 0 (the reserved padding slot, where padding rows go)."""
-    from benchmarks.bench_decode import mixed_spec, release
+    from radixlm.srt.model_executor.synthetic import mixed_spec, release
 
     kv = r.token_to_kv_pool
     for decodes, prompt in ((3, 21), (0, 16)):
@@ -117,7 +117,7 @@ def assert_runner_matches_eager(r, graphed) -> None:
         for buf in (kv.k_buffer, kv.v_buffer):  # the batch's new slots and the padding slot start as noise
             for layer in buf:
                 layer[slots].normal_()
-        eager = r.forward(spec.build(r.device, None), piecewise=False)
+        eager = r.forward(spec.build(r.device, None))
         untouched = [b[layer].clone() for b in (kv.k_buffer, kv.v_buffer) for layer in range(len(b))]
         got = graphed(spec)
         assert got.shape == eager.shape == (decodes + prompt, r.vocab_size)

@@ -11,13 +11,10 @@ if [ "${FULL_VOCAB:-1}" = 1 ]; then  # every sampled id streams as visible text 
     TOK=/tmp/tok_full
 fi
 # EXTRA: more server flags (e.g. --enable-mixed-chunk, --attention-backend triton)
-# TRACE=1: the server records its steps and the client its chunk times; itl_tail.py lines them up at the end.
+# TRACE=1: the server records its steps (RADIXLM_STEP_TRACE) and the client its chunk times, beside the results.
 CT=""
 if [ "${TRACE:-0}" = 1 ]; then export RADIXLM_STEP_TRACE=$OUT/steps.jsonl; CT=--save-chunk-times; fi
 NG=""; [ "${CLIENT_GUARD:-1}" = 0 ] && NG=--no-cpu-guard  # CLIENT_GUARD=0: the clients where the kernel puts them
-# STALLS=1: the scheduler posts its phase to a board and stall_sampler.py watches it from outside in each c32 run
-# (stalls_c32*.json: where the scheduler thread was when a phase ran long; needs no trace)
-if [ "${STALLS:-0}" = 1 ]; then export RADIXLM_PHASE_BOARD=/dev/shm/radixlm-board-$PORT; fi
 python -m radixlm.launch_server --model-path benchmarks/configs/llama-3.1-8b --load-format dummy \
     --tokenizer-path "$TOK" --served-model-name llama-8b-dummy --port "$PORT" ${EXTRA:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -29,44 +26,14 @@ for _ in $(seq 600); do  # fail fast if the server dies while loading
 done
 python benchmarks/bench_serving.py --base-url $URL --label warmup --num-prompts 16 --input-len 64 \
     --output-len 8 --max-concurrency 16 --wait 5 --eos-token-id 128001 > /dev/null || { tail -30 "$OUT/server.log"; exit 1; }
-# C32_RUNS (default 1) runs of c32 (random_c32.json, random_c32_2.json, ...), each with the host's CPU accounting
-# beside it (steal time, the server's processes' CPU and preemptions, other load)
+# C32_RUNS (default 1) runs of c32 (random_c32.json, random_c32_2.json, ...), new prompts each run: no prefix
+# cache hits from the last
 for n in $(seq ${C32_RUNS:-1}); do
     want c32 || break
     sfx=$([ $n = 1 ] || echo _$n)
-    python benchmarks/gpu/host_probe.py $SERVER "$OUT/host_c32$sfx.json" & PROBE=$!
-    # HICCUP=9:10: spinners on those CPUs note every gap in their own running (hiccup.py), beside the run
-    HIC=""
-    if [ -n "${HICCUP:-}" ]; then
-        python benchmarks/gpu/hiccup.py --cpus ${HICCUP//:/,} --out "$OUT/hiccup_c32$sfx.json" & HIC=$!
-    fi
-    SAMPLER=""
-    if [ "${STALLS:-0}" = 1 ]; then
-        python benchmarks/gpu/stall_sampler.py $RADIXLM_PHASE_BOARD "$OUT/stalls_c32$sfx.json" & SAMPLER=$!
-    fi
-    # SOFTIRQ_LOAD=1: loopback traffic on the scheduler loop's CPU, started once the run is under way
-    LOAD=""
-    if [ "${SOFTIRQ_LOAD:-0}" = 1 ]; then
-        (sleep 2; exec python benchmarks/gpu/softirq_load.py --pid $SERVER --seconds 120) & LOAD=$!
-    fi
     python benchmarks/bench_serving.py --base-url $URL --label random-c32$sfx --dataset random --num-prompts 128 \
         --input-len 512 --output-len 128 --max-concurrency 32 --eos-token-id 128001 --out "$OUT/random_c32$sfx.json" \
-        --seed $((n - 1)) $CT $NG > /dev/null  # new prompts each run: no prefix cache hits from the last
-    [ -n "$LOAD" ] && { kill -INT $LOAD 2> /dev/null; wait $LOAD; }
-    kill -INT $PROBE; wait $PROBE
-    [ -n "$HIC" ] && { kill -INT $HIC; wait $HIC; }
-    if [ -n "$SAMPLER" ]; then
-        kill -INT $SAMPLER; wait $SAMPLER
-        python - "$OUT/stalls_c32$sfx.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-s = d["summary_first_samples"] or {}
-print("stalls:", d["by_phase"], "after caught", s.get("after_caught_ms"), "where", s.get("state_syscall_wchan"))
-for key in ("native_stacks", "futex_owners", "futex_in", "others_running"):
-    for k, v in list(s.get(key, {}).items())[:4]:
-        print(f"  {key} {v}: {k[:230]}")
-PY
-    fi
+        --seed $((n - 1)) $CT $NG > /dev/null
 done
 want c1 && python benchmarks/bench_serving.py --base-url $URL --label random-c1 --dataset random --num-prompts 8 \
     --input-len 512 --output-len 128 --max-concurrency 1 --eos-token-id 128001 --out "$OUT/random_c1.json" > /dev/null
@@ -98,11 +65,6 @@ if "cpu_guard" in st:
     print("scheduler CPU guard:", st["cpu_guard"], "http server CPU guard:", s.get("http_cpu_guard"))
 PY
 kill -INT $SERVER; wait $SERVER; echo "server exit code: $?"
-if [ -n "$CT" ]; then
-  for f in random_c32 random_c32_2 random_c32_3 random_c32_4 random_c128 shared_prefix json; do
-    [ -f "$OUT/$f.json" ] && python benchmarks/itl_tail.py "$OUT/steps.jsonl" "$OUT/$f.json" --out "$OUT/tail_$f.json"
-  done
-fi
 python - "$OUT" <<'PY'
 import json, sys, pathlib
 for f in sorted(pathlib.Path(sys.argv[1]).glob("random_c*.json")) + [pathlib.Path(sys.argv[1]) / f for f in

@@ -87,7 +87,7 @@ class Sampler:
     def warmup(self, dtype: torch.dtype) -> None:
         """Compile the argmax kernel for the logits it will see: the model's dtype and float32 (what logit_bias,
         penalties and grammar masks promote logits to). Otherwise the first request of each kind paid for a
-        Triton compile (0.9 s on the H100 machine)."""
+        Triton compile (about a second)."""
         for d in {dtype, torch.float32}:
             self.argmax(torch.zeros(2, self.vocab_size, dtype=d, device=self.col_keys.device))
 

@@ -118,7 +118,7 @@ class TokenizerManager:
         self._encoder = msgspec.msgpack.Encoder()
         self.cpu_guard: CpuGuard | None = None
         # Long prompts are tokenized off the event loop (the Rust tokenizer lets go of the GIL): a 512-token
-        # prompt took up to 56 ms on an H100 host, and every other stream's next chunk waited behind it. Short
+        # prompt can take tens of ms, and every other stream's next chunk would wait behind it. Short
         # prompts and token strings stay on the loop thread, so two calls can use the tokenizer at once; that
         # is safe because they only read it (every call passes the same settings, so transformers never
         # reconfigures the Rust tokenizer mid-call). One worker keeps the long ones in order.

@@ -6,9 +6,8 @@ with an event the host waits on only when it needs the values (one step later un
 Host -> device: the step's small uploads (slot tables, sampling parameters, attention metadata) go through one
 pinned ring allocated at start-up (`upload`, `pinned_empty`). A copy from pageable memory makes the driver wait
 for the stream to drain first, which would undo overlap scheduling; and pinning memory per call (a tensor's
-`pin_memory()`) goes to the driver, which pins pages under a global lock: on some H100 machines the scheduler
-thread was caught stalled 5-12 ms inside such uploads, the ITL tail's largest source there (vLLM saw the same
-in `pin_memory()`). Other CUDA calls stalled there too; this removes the uploads' share.
+`pin_memory()`) goes to the driver, which pins pages under a global lock that other CUDA calls take too: the
+scheduler thread can stall milliseconds inside such an upload (vLLM saw the same in `pin_memory()`).
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,8 +17,12 @@ from radixlm.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo,
 from radixlm.srt.cpu_threads import configure_cpu_forward
 from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
+from radixlm.srt.model_executor.graph_runner import GraphRunner, default_cuda_graph_max_bs
 from radixlm.srt.model_executor.host_transfer import HostStaging, PendingCopy
 from radixlm.srt.model_loader.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,7 @@ class PendingSample:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, args):
+    def __init__(self, loaded: LoadedModel, args: ServerArgs):
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -95,9 +100,7 @@ class ModelRunner:
         logger.info("KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s",
                     self.max_total_tokens, self.max_total_tokens * bytes_per_token / 1e9,
                     self.max_running_requests, self.attn_backend_name, kernels)
-        self.graph_runner = None
-        self.piecewise_runner = None
-        self.extend_runner = None  # whole graphs for extend batches (ExtendGraphRunner)
+        self.graphs: GraphRunner | None = None
         if self.device.type == "cuda":
             self.attn_backend.warmup()
             self.sampler.warmup(self.dtype)
@@ -105,38 +108,16 @@ class ModelRunner:
             for line in tune_skinny_linears(self.kernel_ops, self.model):
                 logger.info("skinny matmul: %s", line)
             logger.info("skinny matmul tuning took %.1f s", time.perf_counter() - t0)
-            if self.attn_backend.supports_cuda_graph and not args.disable_cuda_graph:
-                from radixlm.srt.model_executor.cuda_graph_runner import CudaGraphRunner, default_cuda_graph_max_bs
-
+            if not args.disable_cuda_graph:
                 max_bs = min(args.cuda_graph_max_bs or default_cuda_graph_max_bs(self.device),
                              self.max_running_requests)
-                self.graph_runner = CudaGraphRunner(self, max_bs)
-            if not args.disable_cuda_graph and not args.disable_piecewise_cuda_graph:
-                self._capture_extend_graphs(args)
+                self.graphs = GraphRunner(self, max_bs, args.extend_cuda_graph, args.extend_cuda_graph_max_tokens)
             self._warm_extend()
-
-    def _capture_extend_graphs(self, args) -> None:
-        mode = getattr(args, "extend_cuda_graph", "auto")
-        whole = getattr(self.attn_backend, "supports_extend_graph", False)
-        if mode == "whole" and not whole:
-            raise ValueError(f"extend_cuda_graph whole needs an attention backend whose extend attention runs "
-                             f"without a host plan (triton), not {self.attn_backend_name}")
-        if whole and mode != "piecewise":
-            from radixlm.srt.model_executor.extend_graph_runner import ExtendGraphRunner
-
-            self.extend_runner = ExtendGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
-        if mode != "whole" or not whole:
-            # Piecewise graphs on their own, or (auto, whole graphs taken) for the batches the whole graphs
-            # have no room for: decode batches past the decode graphs, mixed steps with more than 256 riders
-            # or 32 prompts. Without them those would run fully eagerly, 15-20 ms of host time a step.
-            from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner
-
-            self.piecewise_runner = PiecewiseGraphRunner(self, args.piecewise_cuda_graph_max_tokens)
 
     def _warm_extend(self) -> None:
         """Run the extend shapes serving meets first once at start-up, so that the kernels they JIT-compile
         (attention over a prompt; decode rows riding along a prompt chunk) compile now, not inside the first
-        requests' latency (0.6-1.1 s stalls on a fresh H100 machine). Every row is the dummy request row and
+        requests' latency (a stall of up to a second on a fresh machine). Every row is the dummy request row and
         writes the padding slot."""
         if self.req_to_token_pool.max_context_len < 64:
             return
@@ -149,7 +130,7 @@ class ModelRunner:
                              [p + m for p, m in zip(prefixes, lens)], torch.zeros(n, dtype=torch.int64),
                              logits_indices=list(itertools.accumulate(lens, initial=-1))[1:],
                              extend_prefix_lens=prefixes, extend_seq_lens=lens)
-            self.forward(spec.build(self.device, None))
+            self.forward(self.build(spec))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info("extend and mixed-step kernels warmed in %.1f s", time.perf_counter() - t0)
@@ -170,34 +151,31 @@ class ModelRunner:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.graph_runner is not None
+        return self.graphs is not None and self.graphs.decode is not None
 
     # --- forward -----------------------------------------------------------------------------------------------
-    def forward(self, fb: ForwardBatch, piecewise: bool = True) -> torch.Tensor:
-        """Forward of a prepared batch (piecewise graphs where they fit, else eager); float32 logits of its
-        `logits_indices` rows."""
+    def build(self, spec: BatchSpec) -> ForwardBatch:
+        """The batch's tensors on the device (futures resolved)."""
+        return spec.build(self.device, self.future_map if spec.has_futures() else None)
+
+    def prepare(self, fb: ForwardBatch) -> ForwardBatch:
+        """Attach the pools and the attention backend, and plan the batch's attention metadata."""
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The eager forward of a batch: float32 logits of its `logits_indices` rows."""
         with torch.inference_mode():
-            self.attn_backend.init_forward_metadata(fb)
-            pw = self.piecewise_runner
-            if piecewise and pw is not None and pw.can_run(fb):
-                return pw.forward(fb)
-            return self.model(fb)
+            return self.model(self.prepare(fb))
 
     def run_forward(self, spec: BatchSpec) -> torch.Tensor:
-        """A graph replay for batches that fit one (decode graphs; whole extend graphs), else `forward`."""
-        g = self.graph_runner
-        if g is not None and spec.mode is ForwardMode.DECODE and g.can_run(spec.batch_size, spec.seq_lens):
-            with torch.inference_mode():
-                return g.replay(spec.input_ids, spec.positions, spec.req_pool_indices, spec.seq_lens,
-                                spec.out_cache_loc)
-        x = self.extend_runner
-        if x is not None and x.can_run(spec):
-            with torch.inference_mode():
-                return x.run(spec)
-        return self.forward(spec.build(self.device, self.future_map if spec.has_futures() else None))
+        """Launch a batch's forward: a graph replay where one fits, else eager. Float32 logits of its logits rows
+        (decode: every row)."""
+        logits = self.graphs.run(spec) if self.graphs is not None else None
+        return logits if logits is not None else self.forward(self.build(spec))
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor | None, info: SamplingBatchInfo | None,

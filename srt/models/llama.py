@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         q, residual = self.pre_attention(positions, x, residual, fb)
         return self.post_attention(self.self_attn.attn(q, fb), residual)
 
-    # The two halves around the attention kernel: piecewise CUDA graphs capture these and run attention eagerly.
+    # The two halves around the attention kernel: the graph runner's seam (graph_runner.py cuts forwards here).
     def pre_attention(self, positions, x, residual, fb: ForwardBatch):
         if residual is None:
             residual = x
@@ -147,18 +147,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits for the rows in `fb.logits_indices` (every row when it is None)."""
         return self.logits(self.model(fb.input_ids, fb.positions, fb), fb)
-
-    # The same forward in two parts (decode CUDA graphs capture them as two graphs; see cuda_graph_runner.py).
-    @torch.inference_mode()
-    def forward_head(self, fb: ForwardBatch, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embedding and the first `layers` (>= 1) layers: (hidden, residual) for `forward_tail`."""
-        return self.model.run_layers(self.model.embed_tokens(fb.input_ids), None, fb.positions, fb, 0, layers)
-
-    @torch.inference_mode()
-    def forward_tail(self, x: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, start: int) -> torch.Tensor:
-        x, residual = self.model.run_layers(x, residual, fb.positions, fb, start)
-        x, _ = self.model.norm(x, residual)
-        return self.logits(x, fb)
 
     def logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if fb.logits_indices is not None:

@@ -69,7 +69,7 @@ class SchedulerGrammar:
         self.device = device
         # Under overlap scheduling a jump sends its request back through an extend step while the others
         # decode, so steps stop being plain decode batches (as SGLang did, jump-forward is off there by default).
-        self.jump_forward = not args.disable_jump_forward and (not overlap or args.enable_jump_forward)
+        self.jump_forward = args.jump_forward == "on" or (args.jump_forward == "auto" and not overlap)
         self.manager = None
         if args.grammar_backend != "none":
             lazy = _LazyBackend(args.grammar_backend, tokenizer, vocab_size, stop_ids)

@@ -20,7 +20,7 @@ def backend_engines():
     def get(backend: str):
         if backend not in made:
             made[backend] = radixlm.Engine(grammar_backend=backend, log_level="warning", max_total_tokens=16384,
-                                           enable_jump_forward=True, grammar_compile_timeout=COMPILE_LIMIT_S)
+                                           jump_forward="on", grammar_compile_timeout=COMPILE_LIMIT_S)
         return made[backend]
 
     yield get

@@ -80,10 +80,10 @@ def engine(engine):
 
 def test_jump_forward_under_overlap_is_opt_in():
     """Overlap scheduling (the default on CUDA; forced here on the CPU) runs without jump-forward unless
-    --enable-jump-forward asks for it; asked for, it jumps there too and the JSON still validates."""
+    --jump-forward on asks for it; asked for, it jumps there too and the JSON still validates."""
     sp = {"json_schema": JF_SCHEMA, **GREEDY, "max_new_tokens": JF_MAX_NEW_TOKENS}
     events = {}
-    for name, kw in (("default", {}), ("enabled", {"enable_jump_forward": True})):
+    for name, kw in (("default", {}), ("enabled", {"jump_forward": "on"})):
         engine = radixlm.Engine(force_overlap_schedule=True, log_level="warning", max_total_tokens=4096, **kw)
         try:
             assert engine.scheduler.overlap and engine.scheduler.grammar.jump_forward == bool(kw)
@@ -104,7 +104,7 @@ def strict_engines():
 
     def get(backend):
         if backend not in made:
-            made[backend] = radixlm.Engine(grammar_backend=backend, disable_jump_forward=True,
+            made[backend] = radixlm.Engine(grammar_backend=backend, jump_forward="off",
                                            grammar_compile_timeout=COMPILE_TIMEOUT_S, log_level="warning",
                                            max_total_tokens=4096)
         return made[backend]
@@ -447,7 +447,7 @@ def test_overlap_fills_masks_early_and_answers_as_without_overlap(backend):
     outs = {}
     for overlap in (False, True):
         engine = radixlm.Engine(grammar_backend=backend, force_overlap_schedule=overlap, log_level="warning",
-                                max_total_tokens=4096, disable_overlap_schedule=not overlap, disable_jump_forward=True)
+                                max_total_tokens=4096, disable_overlap_schedule=not overlap, jump_forward="off")
         try:
             assert engine.scheduler.overlap == overlap and not engine.scheduler.grammar.jump_forward
             outs[overlap] = [o["text"] for o in engine.generate(prompts, params)]

@@ -7,7 +7,8 @@ import torch
 
 from radixlm.kernels import HAS_TRITON
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")
+# Also in the GPU suite (`-m gpu`): on CUDA these run the real kernels and capture real graphs.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")]
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -233,30 +234,30 @@ def test_argmax(rows, n):
     assert argmax(x.to(torch.bfloat16)).tolist() == argmax_ref(x.to(torch.bfloat16)).tolist()
 
 
-@pytest.mark.parametrize("bs", [1, 7])
-def test_pull_inputs(bs):
-    """The decode graph's input kernel: ring slots in turn, futures swapped for their tokens, padding kept."""
+@pytest.mark.parametrize("ids,n", [(1, 5), (7, 35), (1500, 6100)])
+def test_pull_inputs(ids, n):
+    """A graph's input kernel: ring slots in turn (the counter advanced once per launch, also when several
+    programs share it), futures among the ids swapped for their tokens, everything else copied as is."""
     from radixlm.kernels.graph_inputs import pull_inputs, pull_inputs_ref
 
-    g = torch.Generator().manual_seed(bs)
-    ring = torch.randint(0, 1000, (3, 5, bs), generator=g, dtype=torch.int64)
-    ring[1, 0, 0] = -1  # a future: future_map[0]
-    ring[2, 0, bs - 1] = -5  # future_map[4]
+    g = torch.Generator().manual_seed(n)
+    ring = torch.randint(0, 1000, (3, n), generator=g, dtype=torch.int64)
+    ring[1, 0] = -1  # a future: future_map[0]
+    ring[2, ids - 1] = -5  # future_map[4]
+    ring[2, ids] = -3  # past the ids: a plain value, not a future
     if DEV == "cuda":
         ring = ring.pin_memory()
     future_map = torch.tensor([11, 12, 13, 14, 15, 16], dtype=torch.int64, device=DEV)
-    counter, counter_ref = (torch.zeros(1, dtype=torch.int64, device=DEV) for _ in range(2))
-    static, static_ref = (torch.full((5, bs), -7, dtype=torch.int64, device=DEV) for _ in range(2))
+    counter, counter_ref = (torch.zeros(2, dtype=torch.int64, device=DEV) for _ in range(2))
+    static, static_ref = (torch.full((n,), -7, dtype=torch.int64, device=DEV) for _ in range(2))
     for turn in range(4):  # the fourth replay wraps around to slot 0
-        pull_inputs(ring, counter, static, future_map)
-        pull_inputs_ref(ring, counter_ref, static_ref, future_map)
+        pull_inputs(ring, counter, static, future_map, ids)
+        pull_inputs_ref(ring, counter_ref, static_ref, future_map, ids)
         assert static.tolist() == static_ref.tolist() and int(counter[0]) == turn + 1
         want = ring[turn % 3].clone()
-        assert static[1:].tolist() == want[1:].tolist()
-    assert static_ref[0, 0].item() == ring[0, 0, 0].item()
-    pull_inputs_ref(ring, counter_ref, static_ref, future_map)  # slot 1: its first id is future 0
-    assert static_ref[0, 0].item() == 11
-    pull_inputs(ring, counter, static, future_map)
-    assert static[0].tolist() == static_ref[0].tolist()
-    pull_inputs(ring, counter, static, future_map)  # slot 2: the last id is future 4
-    assert static[0, bs - 1].item() == 15 and (bs == 1 or static[0, 0].item() == ring[2, 0, 0].item())
+        assert static[ids:].tolist() == want[ids:].tolist()
+        if turn % 3 == 1:
+            assert static[0].item() == 11
+        if turn % 3 == 2:
+            assert static[ids - 1].item() == 15 and static[ids].item() == -3
+    assert static[:ids].tolist() == ring[0, :ids].tolist()  # slot 0 (turn 3) has no futures

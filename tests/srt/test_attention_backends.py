@@ -8,7 +8,8 @@ from radixlm.kernels import HAS_TRITON
 from radixlm.srt.layers.attention import resolve_backend
 from tests.helpers import forward_logits, hf_logits
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")
+# Also in the GPU suite (`-m gpu`): on CUDA these run the real kernels and capture real graphs.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")]
 
 IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 3575, 282, 19628, 47, 2, 17, 9, 300, 77, 5]
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

@@ -46,6 +46,7 @@ def test_ring_gives_each_stream_its_own_chunk():
     assert fenced == ["a", "b"]  # each chunk's fence on the stream its copies went to
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and copies need a CUDA device")
 def test_uploads_arrive_intact_while_the_device_is_busy():
     dev = torch.device("cuda")

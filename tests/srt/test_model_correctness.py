@@ -38,9 +38,11 @@ def test_prefix_in_two_extends_matches_one(tiny_dirs, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_forward_in_head_and_tail_matches_whole(tiny_dirs, arch):
-    """The decode graphs' split forward (a head of k layers, then the rest) computes the same logits."""
+def test_forward_cut_at_the_seam_matches_whole(tiny_dirs, arch):
+    """The model's forward as the graph runner cuts it (every kind's segments, run in turn on one state) computes
+    the same logits as the whole forward."""
     from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+    from radixlm.srt.model_executor.graph_runner import Stages, plan
 
     engine = radixlm.Engine(str(tiny_dirs[arch]), log_level="warning", max_total_tokens=2048)
     r = engine.runner
@@ -55,8 +57,12 @@ def test_forward_in_head_and_tail_matches_whole(tiny_dirs, arch):
     with torch.inference_mode():
         r.attn_backend.init_forward_metadata(fb)
         whole = r.model(fb)
-        for k in (1, r.config.num_layers - 1):
-            split = r.model.forward_tail(*r.model.forward_head(fb, k), fb, k)
+        stages = Stages(r.model)
+        for kind in ("decode", "whole", "piecewise"):
+            st: dict = {}
+            for seg in plan(kind, r.config.num_layers):
+                stages.run(seg.ops, st, fb)
+            split = st["logits"] if kind == "decode" else r.model.logits(st["hidden"], fb)
             assert split.shape == whole.shape and (split - whole).abs().max().item() < 1e-4
     r.token_to_kv_pool.free(slots)
     r.req_to_token_pool.free(row)

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.srt.model_executor.piecewise_graph_runner import PiecewiseGraphRunner, token_buckets
+from radixlm.srt.model_executor.graph_runner import LADDER, GraphRunner, buckets, plan
 from tests.helpers import assert_runner_matches_eager, generate_through_runner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # also in the GPU suite: on CUDA the pieces are captured graphs
 
 
 def _engine(path, **kw):
@@ -19,24 +20,40 @@ def _engine(path, **kw):
     return engine
 
 
-def test_token_buckets():
-    assert token_buckets(100) == [16, 32, 48, 64, 96, 100]
-    assert token_buckets(16) == [16]
-    assert token_buckets(4096)[-1] == 4096 and token_buckets(4096) == sorted(set(token_buckets(4096)))
-    assert 288 in token_buckets(4096)  # a 256-token chunk with 32 decodes riding along pads to nothing
+def test_one_ladder_for_every_kind():
+    assert buckets(1, 8) == [1, 2, 4, 8] and buckets(16, 100) == [16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 100]
+    assert buckets(16, 16) == [16]
+    ext = buckets(16, 4096)
+    assert ext[-1] == 4096 and ext == sorted(set(ext)) and set(ext) <= set(LADDER)
+    assert 288 in ext and 544 in ext  # a 256- or 512-token chunk with 32 decodes riding along pads to nothing
+
+
+def test_plans_cut_the_forward_at_the_seam():
+    """Decode: a one-layer head graph and the rest; whole: one graph; piecewise: graphs between attentions. Every
+    stage of the forward is in exactly one segment, in order."""
+    for kind in ("decode", "whole", "piecewise"):
+        segs = plan(kind, 3)
+        ops = [op for s in segs for op in s.ops]
+        assert ops == [("embed", 0)] + [(st, i) for i in range(3) for st in ("pre", "attn", "post")] + \
+            [("norm", 0)] + ([("logits", 0)] if kind == "decode" else [])
+    assert [len(s.ops) for s in plan("decode", 3)] == [4, 8] and plan("decode", 1)[0].ops[-1] == ("logits", 0)
+    pw = plan("piecewise", 3)
+    assert [s.graphed for s in pw] == [True, False] * 3 + [True]
+    assert all(s.ops == [("attn", i)] for i, s in enumerate(pw[1::2]))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_piecewise_forward_matches_eager(tiny_dirs, arch):
     r = _engine(tiny_dirs[arch]).runner
-    r.piecewise_runner = PiecewiseGraphRunner(r, 48)
-    assert_runner_matches_eager(r, lambda spec: r.forward(spec.build(r.device, None)))
+    pw = GraphRunner(r, None, "piecewise", 48).piecewise
+    assert_runner_matches_eager(r, lambda spec: pw.run(spec, r.prepare(r.build(spec))))
 
 
 def _attach_pieces(engine) -> list[int]:
-    pw = engine.runner.piecewise_runner = PiecewiseGraphRunner(engine.runner, 32)  # the 40-token prompt: chunks
-    sizes, run = [], pw.forward
-    pw.forward = lambda fb: sizes.append(fb.num_tokens) or run(fb)
+    graphs = engine.runner.graphs = GraphRunner(engine.runner, None, "piecewise", 32)  # the 40-token prompt: chunks
+    pw = graphs.piecewise
+    sizes, run = [], pw.run
+    pw.run = lambda spec, live: sizes.append(len(spec.input_ids)) or run(spec, live)
     return sizes
 
 

@@ -9,7 +9,7 @@ FlashInfer compiles its kernels on first use (minutes for the sm90 prefill kerne
 `warmup()` does that at start-up and logs it. Its cache lives under $FLASHINFER_WORKSPACE_BASE (default $HOME)
 in .cache/flashinfer, so a second start is quick. Each module is built by its own ninja file when first used:
 building them all at once through FlashInfer's combined ninja file (build_jit_specs) made every later start
-rebuild them (each ninja log saw the other's outputs as stale: 55 s per process on the H100).
+rebuild them (each ninja log saw the other's outputs as stale: about a minute per process).
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, device: torch.device | None = None):
         if device is not None and device.type == "cuda":
             # cuDNN's SDPA builds and caches a graph for every new KV length; decode changes that length every
-            # step, which made a step 2-3x slower on H100 until each length had been seen once.
+            # step, which made a step 2-3x slower until each length had been seen once.
             torch.backends.cuda.enable_cudnn_sdp(False)
         # On CPU, decode attention in C (kernels/cpu.py): the gathers + SDPA were ~35 us a layer at batch 1.
         self.cpu_decode = device is not None and device.type == "cpu" and cpu_kernels.load() is not None

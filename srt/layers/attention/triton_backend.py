@@ -103,9 +103,9 @@ class TritonAttnBackend(AttentionBackend):
         """Room for any batch of up to `tokens` tokens with at most `max_rows` requests, of which at most 256
         have one token and at most min(tokens // 2, 32) more than one (other batches run eagerly: many prompts
         in one batch make a step long enough to hide the launches). The kernels' grids are sized for that room,
-        the programs past a batch's work returning at once, and those are not free: on the H100 the extend
-        kernel of a 288-token mixed step took 27.6 us a layer with room for 128 prompts against 17.1 us with
-        room for 33 (its programs hold enough shared memory that few fit on an SM, returning or not)."""
+        the programs past a batch's work returning at once, and those are not free: the extend kernel of a
+        288-token mixed step took 1.6x as long with room for 128 prompts as with room for 33 (its programs hold
+        enough shared memory that few fit on an SM, returning or not)."""
         multis = _even(max(1, min(tokens // 2, 32, max_rows)))
         return ExtendLayout(_even(min(tokens, max_rows, 256)), multis, _even(-(-tokens // self.block_m) + multis))
 
