@@ -18,9 +18,11 @@ Inputs reach every graph the same way: the host writes one flat int64 vector (id
 slots and what else the kind reads) into the next slot of a pinned ring, and the first segment's first kernel
 pulls that slot and resolves futures (kernels/graph_inputs.py); a replay is a few numpy stores and the
 launches. A batch is padded to its bucket: padding rows read token 0 at position 0, write their K/V into slot 0
-(the pool's reserved padding slot) and are dropped. Values that cross from one segment to a later one go
-through fixed buffers shared by every bucket; the last graph's output (logits, or hidden states for the eager
-LM head over the rows that need it) is per bucket. Without CUDA the segments run as plain calls: the same
+(the pool's reserved padding slot) and are dropped. What a graph hands to the next graph stays that
+graph's own tensors (per bucket: only decode's head has such a hand-off, and its buckets are small); what goes
+to or comes from an eager call (piecewise attention) passes through fixed buffers every bucket shares, since
+piecewise buckets are large and have a hand-off per layer. The last graph's output (logits, or hidden states
+for the eager LM head over the rows that need it) is per bucket. Without CUDA the segments run as plain calls: the same
 decomposition, testable on a CPU.
 """
 from __future__ import annotations
@@ -140,6 +142,7 @@ class _Bucket:
     layout: object = None  # whole extend: the backend's ExtendLayout
     graphs: list = field(default_factory=list)
     output: torch.Tensor | None = None  # what the last graph leaves: logits (decode) or hidden states
+    handoff: dict = field(default_factory=dict)  # what a graph leaves the next graph (its own tensors)
     turn: int = 0
     read: list = field(default_factory=lambda: [None] * _RING)  # per slot: an event after the replay that read it
 
@@ -283,10 +286,15 @@ class GraphSet:
         n = bk.size
         if k == 0 and self.pull_in_graph:
             self._pull(bk)
-        st = {key: self.carry[key][:n] for key in seg.reads}
+        prev_graphed = k > 0 and self.segments[k - 1].graphed
+        next_graphed = k + 1 < len(self.segments) and self.segments[k + 1].graphed
+        st = {key: bk.handoff[key] if prev_graphed else self.carry[key][:n] for key in seg.reads}
         self.stages.run(seg.ops, st, bk.fb)
         for key in seg.writes:
-            self.carry[key][:n].copy_(st[key])
+            if next_graphed:
+                bk.handoff[key] = st[key]
+            else:
+                self.carry[key][:n].copy_(st[key])
         if k == len(self.segments) - 1:
             bk.output = st["logits"] if self.kind == "decode" else st["hidden"]
 
