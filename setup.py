@@ -3,6 +3,7 @@
 Metadata lives in pyproject.toml; only the package layout needs code, because setuptools
 cannot discover sub-packages under a `package-dir` mapping by itself.
 """
+
 from setuptools import find_packages, setup
 
 ROOTS = {"radixlm": "radixlm", "radixlm.srt": "srt", "radixlm.lang": "lang", "radixlm.kernels": "kernels"}

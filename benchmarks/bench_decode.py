@@ -12,6 +12,7 @@ through the eager forward, for the graphs-vs-eager comparison in one process.
         --tokenizer-path TOK --attention-backend flashinfer --batch-sizes 1 32 128 --context 512 --eager \
         --out benchmarks/results/h100/decode_flashinfer.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,12 @@ import time
 from pathlib import Path
 
 import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
+
+# isort: split
 import torch
 
-from radixlm.srt.scheduler.batch import sampling_info
 from radixlm.srt.model_executor.synthetic import decode_spec, mixed_spec, release
+from radixlm.srt.scheduler.batch import sampling_info
 
 
 def _profile(served, plain, path: str, bs) -> None:
@@ -54,12 +57,14 @@ def _profile(served, plain, path: str, bs) -> None:
 def timeline(trace: dict, steps: int) -> list[str]:
     """One served step's device timeline from a profiler trace of `steps` equal steps: kernel time by kernel,
     and the idle time (or, under programmatic dependent launch, the overlap) before each kernel, by kernel."""
-    ks = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("ph") == "X"),
-                key=lambda e: e["ts"])
+    ks = sorted(
+        (e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("ph") == "X"),
+        key=lambda e: e["ts"],
+    )
     if not ks or len(ks) % steps:
         return [f"timeline: {len(ks)} kernels do not split into {steps} equal steps"]
     per = len(ks) // steps
-    step = ks[per * (steps - 1):]  # the last step: the earlier ones warm up the profiler
+    step = ks[per * (steps - 1) :]  # the last step: the earlier ones warm up the profiler
     span = step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]
     busy: dict[str, list[float]] = {}
     idle: dict[str, float] = {}
@@ -70,9 +75,11 @@ def timeline(trace: dict, steps: int) -> list[str]:
         if prev is not None:
             idle[name] = idle.get(name, 0.0) + k["ts"] - (prev["ts"] + prev["dur"])
     total_busy = sum(sum(v) for v in busy.values())
-    out = [f"timeline of one step: {per} kernels, span {span:.1f} us, kernel time {total_busy:.1f} us, "
-           f"idle {span - total_busy:.1f} us (negative: kernels overlapped)",
-           f"{'kernel':60s} {'count':>5s} {'mean us':>8s} {'total us':>9s} {'idle before, us':>15s}"]
+    out = [
+        f"timeline of one step: {per} kernels, span {span:.1f} us, kernel time {total_busy:.1f} us, "
+        f"idle {span - total_busy:.1f} us (negative: kernels overlapped)",
+        f"{'kernel':60s} {'count':>5s} {'mean us':>8s} {'total us':>9s} {'idle before, us':>15s}",
+    ]
     for name, durs in sorted(busy.items(), key=lambda kv: -sum(kv[1])):
         out.append(f"{name:60s} {len(durs):5d} {sum(durs) / len(durs):8.2f} {sum(durs):9.1f} {idle.get(name, 0):15.1f}")
     return out
@@ -201,20 +208,33 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--mixed", nargs="*", default=[], metavar="DECODES:PROMPT",
-                    help="also time mixed steps, e.g. 32:512 (32 decodes + one 512-token prompt), graphs vs eager")
+    ap.add_argument(
+        "--mixed",
+        nargs="*",
+        default=[],
+        metavar="DECODES:PROMPT",
+        help="also time mixed steps, e.g. 32:512 (32 decodes + one 512-token prompt), graphs vs eager",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="append a kernel-time table per batch size to this file (CUDA)")
     args = ap.parse_args()
     max_bs = max(args.batch_sizes)
     mixed = [tuple(int(v) for v in m.split(":")) for m in args.mixed]
     tokens = max([max_bs * (args.context + 1)] + [d * (args.context + 1) + p for d, p in mixed]) + 64
-    engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
-                            dtype=args.dtype, quantization=args.quantization, log_level="warning",
-                            attention_backend=args.attention_backend,
-                            disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=max_bs,
-                            extend_cuda_graph=args.extend_cuda_graph,
-                            max_total_tokens=tokens, max_running_requests=max([max_bs, *(d + 1 for d, _ in mixed)]))
+    engine = radixlm.Engine(
+        args.model_path,
+        tokenizer_path=args.tokenizer_path,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        log_level="warning",
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=max_bs,
+        extend_cuda_graph=args.extend_cuda_graph,
+        max_total_tokens=tokens,
+        max_running_requests=max([max_bs, *(d + 1 for d, _ in mixed)]),
+    )
     r = engine.runner
     tuner = r.kernel_ops.tuner
     for line in getattr(tuner, "report", []):
@@ -223,43 +243,87 @@ def main():
     graphs = r.uses_cuda_graphs
     for bs in args.batch_sizes:
         t = step_times(engine, bs, args.context, args.repeats, args.eager, args.profile)
-        row = {"batch": bs, "context": args.context, "backend": r.attn_backend_name, "kernels": r.kernel_ops.name,
-               "cuda_graph": graphs, "step_ms": t["step"] * 1e3, "tokens_per_s": bs / t["step"]}
+        row = {
+            "batch": bs,
+            "context": args.context,
+            "backend": r.attn_backend_name,
+            "kernels": r.kernel_ops.name,
+            "cuda_graph": graphs,
+            "step_ms": t["step"] * 1e3,
+            "tokens_per_s": bs / t["step"],
+        }
         if "eager" in t:
             row.update(eager_forward_ms=t["eager"] * 1e3, eager_tokens_per_s=bs / t["eager"])
         if "pipelined" in t:
             fwd, smp, replay, dev_fwd, dev_smp, wall = t["launch_parts"]
-            row.update(pipelined_step_ms=t["pipelined"] * 1e3, pipelined_tokens_per_s=bs / t["pipelined"],
-                       host_launch_ms=t["launch"] * 1e3, host_forward_ms=fwd * 1e3, host_sample_ms=smp * 1e3,
-                       graph_launch_ms=replay * 1e3, step_forward_end_ms=dev_fwd * 1e3,
-                       step_sample_end_ms=dev_smp * 1e3, step_wall_ms=wall * 1e3)
+            row.update(
+                pipelined_step_ms=t["pipelined"] * 1e3,
+                pipelined_tokens_per_s=bs / t["pipelined"],
+                host_launch_ms=t["launch"] * 1e3,
+                host_forward_ms=fwd * 1e3,
+                host_sample_ms=smp * 1e3,
+                graph_launch_ms=replay * 1e3,
+                step_forward_end_ms=dev_fwd * 1e3,
+                step_sample_end_ms=dev_smp * 1e3,
+                step_wall_ms=wall * 1e3,
+            )
         rows.append(row)
         extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
         if "pipelined" in t:
-            extra += (f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms "
-                      f"(forward {fwd * 1e3:5.3f}, of which the replay {replay * 1e3:5.3f}; sampling "
-                      f"{smp * 1e3:5.3f})   device: forward ends {dev_fwd * 1e3:6.3f}, sampling "
-                      f"{dev_smp * 1e3:6.3f}, host has ids {wall * 1e3:6.3f} ms")
-        print(f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "
-              f"{bs / t['step']:9.1f} tokens/s{extra}", flush=True)
+            extra += (
+                f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms "
+                f"(forward {fwd * 1e3:5.3f}, of which the replay {replay * 1e3:5.3f}; sampling "
+                f"{smp * 1e3:5.3f})   device: forward ends {dev_fwd * 1e3:6.3f}, sampling "
+                f"{dev_smp * 1e3:6.3f}, host has ids {wall * 1e3:6.3f} ms"
+            )
+        print(
+            f"{r.attn_backend_name:>12} graph={graphs!s:5} batch {bs:4d}: {t['step'] * 1e3:8.2f} ms/step "
+            f"{bs / t['step']:9.1f} tokens/s{extra}",
+            flush=True,
+        )
     mixed_rows = []
     for d, p in mixed:
         t = mixed_times(engine, d, p, args.context, args.repeats, args.profile)
         g = r.graphs
-        kind = ("whole" if g is not None and g.whole is not None else "piecewise" if g is not None
-                and g.piecewise is not None else "none")
-        mixed_rows.append({"decodes": d, "prompt": p, "context": args.context, "graphs": kind,
-                           "graphs_ms": t["graphs"] * 1e3, "graphs_host_launch_ms": t["graphs_launch"] * 1e3,
-                           "eager_ms": t["eager"] * 1e3})
-        print(f"{r.attn_backend_name:>12} mixed {d} decodes + {p}-token prompt: {t['graphs'] * 1e3:8.2f} ms "
-              f"({kind} graphs; host launch {t['graphs_launch'] * 1e3:6.2f} ms), eager {t['eager'] * 1e3:8.2f} ms",
-              flush=True)
+        kind = (
+            "whole"
+            if g is not None and g.whole is not None
+            else "piecewise"
+            if g is not None and g.piecewise is not None
+            else "none"
+        )
+        mixed_rows.append(
+            {
+                "decodes": d,
+                "prompt": p,
+                "context": args.context,
+                "graphs": kind,
+                "graphs_ms": t["graphs"] * 1e3,
+                "graphs_host_launch_ms": t["graphs_launch"] * 1e3,
+                "eager_ms": t["eager"] * 1e3,
+            }
+        )
+        print(
+            f"{r.attn_backend_name:>12} mixed {d} decodes + {p}-token prompt: {t['graphs'] * 1e3:8.2f} ms "
+            f"({kind} graphs; host launch {t['graphs_launch'] * 1e3:6.2f} ms), eager {t['eager'] * 1e3:8.2f} ms",
+            flush=True,
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         dev = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else platform.processor()
-        Path(args.out).write_text(json.dumps({"device": dev, "dtype": str(r.dtype), "model": args.model_path,
-                                              "skinny_matmul": getattr(tuner, "report", []), "rows": rows,
-                                              "mixed": mixed_rows}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": dev,
+                    "dtype": str(r.dtype),
+                    "model": args.model_path,
+                    "skinny_matmul": getattr(tuner, "report", []),
+                    "rows": rows,
+                    "mixed": mixed_rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Workloads (fixed seeds):
         --tokenizer-path TOK --workload random --num-prompts 256 --input-len 512 --output-len 256 \
         --out benchmarks/results/h100/offline_random.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,11 @@ import platform
 import time
 
 import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
-import torch
 
-from workloads import offline_report, offline_workload as workload
+# isort: split
+import torch
+from workloads import offline_report
+from workloads import offline_workload as workload
 
 
 def _number(v: str):
@@ -48,8 +51,9 @@ def main():
     for kv in args.engine_args:
         k, v = kv.split("=", 1)
         extra[k] = {"true": True, "false": False}.get(v.lower(), _number(v))
-    engine = radixlm.Engine(args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format,
-                            log_level="warning", **extra)
+    engine = radixlm.Engine(
+        args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format, log_level="warning", **extra
+    )
     data = workload(args, engine.runner.vocab_size)
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for _, n in data]
     warm = [p for p, _ in data[:8]]
@@ -59,12 +63,20 @@ def main():
     outs = engine.generate(input_ids=[p for p, _ in data], sampling_params=params)
     elapsed = time.perf_counter() - start
     stats = engine.get_stats()
-    offline_report(args, data, sum(len(o["output_ids"]) for o in outs), elapsed,
-                   attention_backend=engine.runner.attn_backend_name,
-                   cuda_graph=engine.runner.uses_cuda_graphs, overlap=engine.scheduler.overlap,
-                   device=torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else platform.processor(),
-                   engine_args=extra, decode_steps=stats["decode_steps"], extend_steps=stats["extend_steps"],
-                   retractions=stats["retractions"])
+    offline_report(
+        args,
+        data,
+        sum(len(o["output_ids"]) for o in outs),
+        elapsed,
+        attention_backend=engine.runner.attn_backend_name,
+        cuda_graph=engine.runner.uses_cuda_graphs,
+        overlap=engine.scheduler.overlap,
+        device=torch.cuda.get_device_name() if engine.runner.device.type == "cuda" else platform.processor(),
+        engine_args=extra,
+        decode_steps=stats["decode_steps"],
+        extend_steps=stats["extend_steps"],
+        retractions=stats["retractions"],
+    )
 
 
 if __name__ == "__main__":

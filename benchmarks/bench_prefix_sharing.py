@@ -6,6 +6,7 @@ mean time-to-first-token. Writes JSON; `--plot` draws a bar chart if matplotlib 
 
     python benchmarks/bench_prefix_sharing.py --groups 4 --per-group 8 --system-len 1000 --question-len 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,17 +19,20 @@ import time
 from pathlib import Path
 
 import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
+
+# isort: split
 import torch
 
 
-
-def make_workload(tokenizer_size: int, groups: int, per_group: int, system_len: int, question_len: int,
-                  seed: int) -> list[list[int]]:
+def make_workload(
+    tokenizer_size: int, groups: int, per_group: int, system_len: int, question_len: int, seed: int
+) -> list[list[int]]:
     rng = random.Random(seed)
     lo = 100  # skip the special and byte tokens at the bottom of most vocabularies
     systems = [[rng.randrange(lo, tokenizer_size) for _ in range(system_len)] for _ in range(groups)]
-    prompts = [s + [rng.randrange(lo, tokenizer_size) for _ in range(question_len)] for s in systems
-               for _ in range(per_group)]
+    prompts = [
+        s + [rng.randrange(lo, tokenizer_size) for _ in range(question_len)] for s in systems for _ in range(per_group)
+    ]
     rng.shuffle(prompts)  # arrival order interleaves the groups
     return prompts
 
@@ -58,11 +62,13 @@ def run(engine, prompts: list[list[int]], warmup: list[list[int]], output_len: i
     in_tokens = sum(len(p) for p in prompts)
     return {
         "radix_cache": not engine.server_args.disable_radix_cache,
-        "requests": len(rids), "wall_s": wall,
+        "requests": len(rids),
+        "wall_s": wall,
         "request_throughput": len(rids) / wall,
         "output_throughput": out_tokens / wall,
         "total_throughput": (in_tokens + out_tokens) / wall,
-        "cache_hit_rate": (stats["cached_tokens"] - base["cached_tokens"]) / (stats["prompt_tokens"] - base["prompt_tokens"]),
+        "cache_hit_rate": (stats["cached_tokens"] - base["cached_tokens"])
+        / (stats["prompt_tokens"] - base["prompt_tokens"]),
         "computed_prefill_tokens": stats["computed_prefill_tokens"] - base["computed_prefill_tokens"],
         "mean_ttft_s": statistics.mean(ttft.values()),
         "p50_ttft_s": statistics.median(ttft.values()),
@@ -89,11 +95,20 @@ def main() -> None:
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args()
 
-    common = {k: v for k, v in dict(model_path=args.model_path, tokenizer_path=args.tokenizer_path,
-                                      load_format=args.load_format, dtype=args.dtype,
-                                      device=args.device, max_total_tokens=args.max_total_tokens,
-                                      chunked_prefill_size=args.chunked_prefill_size, log_level="warning").items()
-              if v is not None}
+    common = {
+        k: v
+        for k, v in dict(
+            model_path=args.model_path,
+            tokenizer_path=args.tokenizer_path,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            device=args.device,
+            max_total_tokens=args.max_total_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            log_level="warning",
+        ).items()
+        if v is not None
+    }
     rows = []
     for disable in (False, True):  # one engine at a time: each sizes its KV cache from free memory
         engine = radixlm.Engine(disable_radix_cache=disable, **common)
@@ -110,22 +125,32 @@ def main() -> None:
     on, off = rows
     report = {
         "workload": {k: getattr(args, k) for k in ("groups", "per_group", "system_len", "question_len", "output_len")},
-        "machine": {"device": device, "cuda": torch.cuda.get_device_name() if device.startswith("cuda") else None,
-                    "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "machine": {
+            "device": device,
+            "cuda": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
         "model": args.model_path or "SmolLM2-135M-Instruct (embedded)",
         "results": rows,
-        "ratios": {"throughput_on_over_off": on["total_throughput"] / off["total_throughput"],
-                   "ttft_off_over_on": off["mean_ttft_s"] / on["mean_ttft_s"]},
+        "ratios": {
+            "throughput_on_over_off": on["total_throughput"] / off["total_throughput"],
+            "ttft_off_over_on": off["mean_ttft_s"] / on["mean_ttft_s"],
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"{'radix':>6} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'hit rate':>9} {'mean TTFT':>10}")
     for r in rows:
-        print(f"{str(r['radix_cache']):>6} {r['request_throughput']:8.2f} {r['output_throughput']:10.1f} "
-              f"{r['total_throughput']:10.1f} {r['cache_hit_rate']:9.3f} {r['mean_ttft_s']:9.2f}s")
-    print(f"throughput x{report['ratios']['throughput_on_over_off']:.2f}, "
-          f"TTFT /{report['ratios']['ttft_off_over_on']:.2f} with the radix cache; wrote {out}")
+        print(
+            f"{str(r['radix_cache']):>6} {r['request_throughput']:8.2f} {r['output_throughput']:10.1f} "
+            f"{r['total_throughput']:10.1f} {r['cache_hit_rate']:9.3f} {r['mean_ttft_s']:9.2f}s"
+        )
+    print(
+        f"throughput x{report['ratios']['throughput_on_over_off']:.2f}, "
+        f"TTFT /{report['ratios']['ttft_off_over_on']:.2f} with the radix cache; wrote {out}"
+    )
     if args.plot:
         _plot(report, out.with_suffix(".png"))
 
@@ -133,6 +158,7 @@ def main() -> None:
 def _plot(report: dict, path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

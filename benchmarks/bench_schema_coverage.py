@@ -15,6 +15,7 @@ Per backend (and `auto`, which picks one per schema):
     python benchmarks/bench_schema_coverage.py --out benchmarks/results/cpu-2core/schema_coverage.json
     python benchmarks/bench_schema_coverage.py --backends auto,llguidance --generate 40 --plot cov.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ from radixlm.srt.errors import GrammarError, GrammarTimeout  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "jsonschemabench_sample.jsonl"
 _KEYWORD = re.compile(r"'([^']+)' at #")
-_LLG_KEYS = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
+_LLG_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
 def load(path: Path = DATA) -> list[dict]:
@@ -95,8 +96,11 @@ def _classify(result) -> str:
         return "timeout"
     if isinstance(result, GrammarError):
         # the manager turns a backend's unexpected exception into a GrammarError naming its type
-        return "crash" if re.search(r"cannot be compiled: [A-Z]\w+(Error|Exception|Panic)\b", result.message) \
+        return (
+            "crash"
+            if re.search(r"cannot be compiled: [A-Z]\w+(Error|Exception|Panic)\b", result.message)
             else "compile_error"
+        )
     return "ok"
 
 
@@ -116,8 +120,14 @@ def compile_alone(backend_obj, accepted: list[dict], timeout: float) -> dict:
             if kind == "timeout":
                 manager.forget(rec["spec"])
     manager.shutdown()
-    return {"ok": kinds["ok"], "compile_errors": kinds["compile_error"], "crashes": kinds["crash"],
-            "timeouts": kinds["timeout"], "compile_s": _summary(times), "failures": failures}
+    return {
+        "ok": kinds["ok"],
+        "compile_errors": kinds["compile_error"],
+        "crashes": kinds["crash"],
+        "timeouts": kinds["timeout"],
+        "compile_s": _summary(times),
+        "failures": failures,
+    }
 
 
 def compile_at_once(backend_obj, accepted: list[dict], n: int, timeout: float, seed: int) -> dict:
@@ -128,13 +138,26 @@ def compile_at_once(backend_obj, accepted: list[dict], n: int, timeout: float, s
     wall = time.perf_counter() - t0
     manager.shutdown()
     kinds = collections.Counter(_classify(r) for r in results)
-    return {"n": len(picked), "ok": kinds["ok"], "timeouts": kinds["timeout"],
-            "failures": kinds["compile_error"] + kinds["crash"], "wall_s": round(wall, 2)}
+    return {
+        "n": len(picked),
+        "ok": kinds["ok"],
+        "timeouts": kinds["timeout"],
+        "failures": kinds["compile_error"] + kinds["crash"],
+        "wall_s": round(wall, 2),
+    }
 
 
 def _summary(values: list[float]) -> dict:
-    return {"p50": round(pct(values, 50), 4), "p95": round(pct(values, 95), 4), "max": round(max(values), 4),
-            "mean": round(statistics.mean(values), 4)} if values else {}
+    return (
+        {
+            "p50": round(pct(values, 50), 4),
+            "p95": round(pct(values, 95), 4),
+            "max": round(max(values), 4),
+            "mean": round(statistics.mean(values), 4),
+        }
+        if values
+        else {}
+    )
 
 
 def _validator(schema: dict):
@@ -149,10 +172,22 @@ def generate(backend: str, accepted: list[dict], k: int, seed: int, max_new_toke
 
     picked = random.Random(seed).sample(accepted, min(k, len(accepted)))
     engine = radixlm.Engine(log_level="warning", grammar_backend=backend, max_total_tokens=32768)
-    chat = [engine.chat_ids([{"role": "user", "content": "Write one realistic JSON example of a "
-                              f"{rec['subset']} record ({rec['id']}). Answer with JSON only."}]) for rec in picked]
-    params = [{"json_schema": json.loads(rec["spec"].spec), "temperature": 0.7, "seed": i,
-               "max_new_tokens": max_new_tokens} for i, rec in enumerate(picked)]
+    chat = [
+        engine.chat_ids(
+            [
+                {
+                    "role": "user",
+                    "content": "Write one realistic JSON example of a "
+                    f"{rec['subset']} record ({rec['id']}). Answer with JSON only.",
+                }
+            ]
+        )
+        for rec in picked
+    ]
+    params = [
+        {"json_schema": json.loads(rec["spec"].spec), "temperature": 0.7, "seed": i, "max_new_tokens": max_new_tokens}
+        for i, rec in enumerate(picked)
+    ]
     t0 = time.perf_counter()
     outs = []
     for ids, p in zip(chat, params):  # one at a time: a failure names its schema
@@ -182,20 +217,32 @@ def generate(backend: str, accepted: list[dict], k: int, seed: int, max_new_toke
             invalid.append({"subset": rec["subset"], "id": rec["id"], "text": out["text"][:300], "errors": errors[:3]})
         else:
             valid += 1
-    return {"n": len(picked), "finished": finished, "valid": valid, "cut_by_limit": cut, "failed": failed,
-            "valid_share": round(valid / finished, 4) if finished else None, "wall_s": round(wall, 1),
-            "invalid": invalid}
+    return {
+        "n": len(picked),
+        "finished": finished,
+        "valid": valid,
+        "cut_by_limit": cut,
+        "failed": failed,
+        "valid_share": round(valid / finished, 4) if finished else None,
+        "wall_s": round(wall, 1),
+        "invalid": invalid,
+    }
 
 
 def run_backend(backend: str, items: list[dict], tokenizer, vocab: int, args) -> dict:
     verdicts = edge(items, backend)
     accepted = [v for v in verdicts if v["verdict"] == "accepted"]
     refused = [v for v in verdicts if v["verdict"] == "refused"]
-    row = {"backend": backend, "schemas": len(items), "accepted": len(accepted), "refused": len(refused),
-           "invalid": sum(v["verdict"] == "invalid" for v in verdicts),
-           "refused_by_keyword": dict(collections.Counter(v["keyword"] for v in refused).most_common()),
-           "edge_ms": _summary([v["edge_ms"] for v in verdicts]),
-           "accepted_by_subset": dict(collections.Counter(v["subset"] for v in accepted))}
+    row = {
+        "backend": backend,
+        "schemas": len(items),
+        "accepted": len(accepted),
+        "refused": len(refused),
+        "invalid": sum(v["verdict"] == "invalid" for v in verdicts),
+        "refused_by_keyword": dict(collections.Counter(v["keyword"] for v in refused).most_common()),
+        "edge_ms": _summary([v["edge_ms"] for v in verdicts]),
+        "accepted_by_subset": dict(collections.Counter(v["subset"] for v in accepted)),
+    }
     if backend == "auto":
         row["chosen"] = dict(collections.Counter(v["chosen"] for v in accepted))
     backend_obj = create_backend(backend, tokenizer, vocab, [tokenizer.eos_token_id])
@@ -205,8 +252,13 @@ def run_backend(backend: str, items: list[dict], tokenizer, vocab: int, args) ->
     else:
         backend_obj.compile(grammar_spec(json_schema={"type": "object"}))
     row["alone"] = compile_alone(backend_obj, accepted, args.timeout)
-    row["at_once"] = compile_at_once(create_backend(backend, tokenizer, vocab, [tokenizer.eos_token_id]),
-                                     accepted, args.at_once, args.timeout, args.seed)
+    row["at_once"] = compile_at_once(
+        create_backend(backend, tokenizer, vocab, [tokenizer.eos_token_id]),
+        accepted,
+        args.at_once,
+        args.timeout,
+        args.seed,
+    )
     broken = {(f["subset"], f["id"]) for f in row["alone"]["failures"]}
     if args.generate:
         ok = [v for v in accepted if (v["subset"], v["id"]) not in broken]
@@ -215,16 +267,20 @@ def run_backend(backend: str, items: list[dict], tokenizer, vocab: int, args) ->
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'backend':<11} {'accepted':>9} {'refused':>8} {'invalid':>8} {'errors':>7} {'crashes':>8} "
-            f"{'timeouts':>9} {'p50 s':>7} {'p95 s':>7} {'max s':>7} {'60 at once':>16} {'valid gen':>10}")
+    head = (
+        f"{'backend':<11} {'accepted':>9} {'refused':>8} {'invalid':>8} {'errors':>7} {'crashes':>8} "
+        f"{'timeouts':>9} {'p50 s':>7} {'p95 s':>7} {'max s':>7} {'60 at once':>16} {'valid gen':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         a, c, g = r["alone"], r["alone"]["compile_s"], r.get("generate")
         once = f"{r['at_once']['timeouts']} t/o {r['at_once']['wall_s']:.1f} s"
         gen = f"{g['valid']}/{g['finished']}" if g else "-"
-        lines.append(f"{r['backend']:<11} {r['accepted']:>4} ({r['accepted'] / r['schemas']:.0%}) {r['refused']:>8} "
-                     f"{r['invalid']:>8} {a['compile_errors']:>7} {a['crashes']:>8} {a['timeouts']:>9} "
-                     f"{c.get('p50', 0):>7.3f} {c.get('p95', 0):>7.3f} {c.get('max', 0):>7.2f} {once:>16} {gen:>10}")
+        lines.append(
+            f"{r['backend']:<11} {r['accepted']:>4} ({r['accepted'] / r['schemas']:.0%}) {r['refused']:>8} "
+            f"{r['invalid']:>8} {a['compile_errors']:>7} {a['crashes']:>8} {a['timeouts']:>9} "
+            f"{c.get('p50', 0):>7.3f} {c.get('p95', 0):>7.3f} {c.get('max', 0):>7.2f} {once:>16} {gen:>10}"
+        )
     return "\n".join(lines)
 
 
@@ -277,9 +333,14 @@ def main() -> None:
         rows.append(run_backend(backend, items, tokenizer, len(tokenizer), args))
         print(f"{backend}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(table(rows))
-    result = {"machine": platform.node(), "cpus": len(__import__("os").sched_getaffinity(0)),
-              "data": str(Path(args.data).name), "timeout_s": args.timeout, "rows": rows,
-              "command": " ".join(sys.argv)}
+    result = {
+        "machine": platform.node(),
+        "cpus": len(__import__("os").sched_getaffinity(0)),
+        "data": str(Path(args.data).name),
+        "timeout_s": args.timeout,
+        "rows": rows,
+        "command": " ".join(sys.argv),
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -14,6 +14,7 @@ server-specific `ignore_eos`, so all servers are asked for the same work.
 The client streams with aiohttp, as SGLang's and vLLM's serving benchmarks do: it costs about half of httpx's
 CPU time per chunk, and a client busy parsing one stream's chunk delays every other stream's arrival time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 from radixlm.srt.cpu_guard import CpuGuard  # noqa: E402
 from radixlm.srt.utils import freeze_startup_objects  # noqa: E402
 
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-          "government company number group problem fact river mountain ocean forest city garden window table "
-          "music story letter energy system market family school country question answer history science light "
-          "stone bridge cloud winter summer morning evening dream voice color paper animal planet engine").split()
+_WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact river mountain ocean forest city garden window table "
+    "music story letter energy system market family school country question answer history science light "
+    "stone bridge cloud winter summer morning evening dream voice color paper animal planet engine"
+).split()
 
 
 @dataclass
@@ -77,15 +80,28 @@ def make_dataset(args) -> list[RequestSpec]:
 def _make_specs(args, rng: random.Random) -> list[RequestSpec]:
     lo = lambda n: max(1, int(n * args.range_ratio))  # noqa: E731
     if args.dataset == "json":
-        return [RequestSpec(f"Describe user {i} as a JSON record. Notes: " + words(rng, rng.randint(
-            lo(args.input_len), args.input_len)), args.output_len) for i in range(args.num_prompts)]
+        return [
+            RequestSpec(
+                f"Describe user {i} as a JSON record. Notes: "
+                + words(rng, rng.randint(lo(args.input_len), args.input_len)),
+                args.output_len,
+            )
+            for i in range(args.num_prompts)
+        ]
     if args.dataset == "random":
-        return [RequestSpec(words(rng, rng.randint(lo(args.input_len), args.input_len)),
-                            rng.randint(lo(args.output_len), args.output_len)) for _ in range(args.num_prompts)]
+        return [
+            RequestSpec(
+                words(rng, rng.randint(lo(args.input_len), args.input_len)),
+                rng.randint(lo(args.output_len), args.output_len),
+            )
+            for _ in range(args.num_prompts)
+        ]
     # shared-prefix: groups share a long system prompt, each request has its own question
     systems = [f"System {g}: " + words(rng, args.system_len) for g in range(args.groups)]
-    specs = [RequestSpec(f"{systems[i % args.groups]}\nQuestion: {words(rng, args.input_len)}?\nAnswer:",
-                         args.output_len) for i in range(args.num_prompts)]
+    specs = [
+        RequestSpec(f"{systems[i % args.groups]}\nQuestion: {words(rng, args.input_len)}?\nAnswer:", args.output_len)
+        for i in range(args.num_prompts)
+    ]
     rng.shuffle(specs)
     return specs
 
@@ -98,9 +114,15 @@ JSON_SCHEMA = {  # the --dataset json workload: a record of the usual field kind
         "active": {"type": "boolean"},
         "role": {"enum": ["admin", "editor", "viewer"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "age", "active", "role", "tags", "address"],
     "additionalProperties": False,
@@ -108,8 +130,14 @@ JSON_SCHEMA = {  # the --dataset json workload: a record of the usual field kind
 
 
 async def one_request(session: aiohttp.ClientSession, args, spec: RequestSpec) -> RequestResult:
-    body = {"model": args.model, "prompt": spec.prompt, "max_tokens": spec.output_len, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": args.model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.output_len,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.no_stream:
         body["stream"] = False
         body.pop("stream_options")
@@ -149,8 +177,9 @@ async def one_request(session: aiohttp.ClientSession, args, spec: RequestSpec) -
                 if data.get("usage"):
                     res.prompt_tokens = data["usage"].get("prompt_tokens", 0)
                     res.output_tokens = data["usage"].get("completion_tokens", 0)
-                piece = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
-                                for c in data.get("choices") or [])
+                piece = "".join(
+                    c.get("text") or (c.get("delta") or {}).get("content") or "" for c in data.get("choices") or []
+                )
                 res.text += piece
                 if piece:
                     now = time.perf_counter()
@@ -181,8 +210,9 @@ async def run(args, specs: list[RequestSpec]) -> tuple[list[RequestResult], floa
 
     # read_bufsize: a line (one SSE event) may be long, e.g. a final chunk with usage or logprobs
     timeout = aiohttp.ClientTimeout(sock_connect=args.timeout, sock_read=args.timeout)  # per read, not per answer
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=width),
-                                     read_bufsize=1 << 20) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=width), read_bufsize=1 << 20
+    ) as session:
         # The client timestamps every chunk: on a CPU that interrupts take time from (the lent GPU VMs' CPU 0
         # or 1 lost 10-40%), its own stalls would read as the server's inter-token latency.
         guard = CpuGuard("bench client")
@@ -247,8 +277,12 @@ def main() -> None:
     ap.add_argument("--base-url", default="http://127.0.0.1:30000")
     ap.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     ap.add_argument("--label", default=None, help="name of this row in the report")
-    ap.add_argument("--dataset", choices=("random", "shared-prefix", "json"), default="random",
-                    help="json: chat completions constrained by response_format (JSON_SCHEMA)")
+    ap.add_argument(
+        "--dataset",
+        choices=("random", "shared-prefix", "json"),
+        default="random",
+        help="json: chat completions constrained by response_format (JSON_SCHEMA)",
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128, help="words per prompt (question, for shared-prefix)")
     ap.add_argument("--output-len", type=int, default=64)
@@ -262,15 +296,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait", type=float, default=120, help="seconds to wait for the server to come up")
     ap.add_argument("--no-stream", action="store_true", help="whole answers instead of streams (no TTFT/ITL)")
-    ap.add_argument("--abort-fraction", type=float, default=0.0,
-                    help="share of requests whose client hangs up mid-stream (they count in no latency figure)")
+    ap.add_argument(
+        "--abort-fraction",
+        type=float,
+        default=0.0,
+        help="share of requests whose client hangs up mid-stream (they count in no latency figure)",
+    )
     ap.add_argument("--out", default=None)
-    ap.add_argument("--no-cpu-guard", action="store_true",
-                    help="leave the client's loop wherever the kernel puts it (by default it moves off a CPU that "
-                    "loses over 3%% of its time to interrupts, softirqs or the hypervisor)")
-    ap.add_argument("--save-chunk-times", action="store_true",
-                    help="keep each request's chunk arrival times (perf_counter) in the JSON, to line them up with "
-                         "a server step trace (RADIXLM_STEP_TRACE)")
+    ap.add_argument(
+        "--no-cpu-guard",
+        action="store_true",
+        help="leave the client's loop wherever the kernel puts it (by default it moves off a CPU that "
+        "loses over 3%% of its time to interrupts, softirqs or the hypervisor)",
+    )
+    ap.add_argument(
+        "--save-chunk-times",
+        action="store_true",
+        help="keep each request's chunk arrival times (perf_counter) in the JSON, to line them up with "
+        "a server step trace (RADIXLM_STEP_TRACE)",
+    )
     args = ap.parse_args()
     if args.eos_token_id is not None and args.eos_token_id < 0:
         args.eos_token_id = None
@@ -286,12 +330,14 @@ def main() -> None:
     report = {
         "label": args.label or args.base_url,
         "config": {k: v for k, v in vars(args).items() if k != "client_cpu"} | {"request_rate": str(args.request_rate)},
-        "completed": len(ok), "aborted": sum(r.aborted for r in results),
+        "completed": len(ok),
+        "aborted": sum(r.aborted for r in results),
         "valid_json": sum(_valid_record(r.text) for r in ok) if args.dataset == "json" else None,
         # answers whose end never came: no chunk (or body) carried a finish_reason
         "cut": sum(r.finish_reason is None for r in ok),
         "finish_reasons": {k: sum(r.finish_reason == k for r in ok) for k in {r.finish_reason for r in ok}},
-        "invalid_examples": [r.text[:200] for r in ok if not _valid_record(r.text)][:3] if args.dataset == "json"
+        "invalid_examples": [r.text[:200] for r in ok if not _valid_record(r.text)][:3]
+        if args.dataset == "json"
         else None,
         "failed": sum(not r.ok and not r.aborted for r in results),
         "errors": sorted({r.error for r in results if r.error})[:5],

@@ -9,6 +9,7 @@ batch of N constrained requests does.
 With the full-vocabulary stand-in of the GPU runs (`benchmarks/gpu/full_vocab_tokenizer.py`, 128,256 ids) it
 shows what the H100 JSON-schema workload pays on the host per decode step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,13 +71,24 @@ def run(backend_name: str, tokenizer, vocab: int, stop_ids: list[int], n: int, s
             accept_us.append((time.perf_counter() - t) * 1e6)
         step_ms.append(((fill_done - t_step) + (time.perf_counter() - t_acc)) * 1e3)
         live = [i for i in live if not matchers[i].is_terminated()]
-    return {"backend": backend_name, "requests": n, "steps": len(step_ms), "compile_s": round(compile_s, 3),
-            "fill_us": {"p50": round(pct(fill_us, 50), 1), "p99": round(pct(fill_us, 99), 1),
-                        "mean": round(statistics.mean(fill_us), 1)},
-            "batch_fill_ms": {"p50": round(pct(batch_ms, 50), 2), "p99": round(pct(batch_ms, 99), 2)},
-            "accept_us": {"p50": round(pct(accept_us, 50), 1), "p99": round(pct(accept_us, 99), 1)},
-            "host_ms_per_step": {"p50": round(pct(step_ms, 50), 2), "p99": round(pct(step_ms, 99), 2),
-                                 "mean": round(statistics.mean(step_ms), 2)}}
+    return {
+        "backend": backend_name,
+        "requests": n,
+        "steps": len(step_ms),
+        "compile_s": round(compile_s, 3),
+        "fill_us": {
+            "p50": round(pct(fill_us, 50), 1),
+            "p99": round(pct(fill_us, 99), 1),
+            "mean": round(statistics.mean(fill_us), 1),
+        },
+        "batch_fill_ms": {"p50": round(pct(batch_ms, 50), 2), "p99": round(pct(batch_ms, 99), 2)},
+        "accept_us": {"p50": round(pct(accept_us, 50), 1), "p99": round(pct(accept_us, 99), 1)},
+        "host_ms_per_step": {
+            "p50": round(pct(step_ms, 50), 2),
+            "p99": round(pct(step_ms, 99), 2),
+            "mean": round(statistics.mean(step_ms), 2),
+        },
+    }
 
 
 def main() -> None:
@@ -95,12 +107,16 @@ def main() -> None:
     stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else [0]
     rows = [run(b, tok, vocab, stop_ids, args.requests, args.steps, args.seed) for b in args.backends]
     print(f"vocabulary {vocab}, {args.requests} constrained requests")
-    print(f"{'backend':>10} {'compile s':>9} {'row fill us p50/p99':>20} {'batch fill ms p50/p99':>22} "
-          f"{'accept us p50':>13} {'host ms/step p50/p99':>21}")
+    print(
+        f"{'backend':>10} {'compile s':>9} {'row fill us p50/p99':>20} {'batch fill ms p50/p99':>22} "
+        f"{'accept us p50':>13} {'host ms/step p50/p99':>21}"
+    )
     for r in rows:
-        print(f"{r['backend']:>10} {r['compile_s']:>9} {r['fill_us']['p50']:>10}/{r['fill_us']['p99']:<9} "
-              f"{r['batch_fill_ms']['p50']:>12}/{r['batch_fill_ms']['p99']:<9} "
-              f"{r['accept_us']['p50']:>13} {r['host_ms_per_step']['p50']:>10}/{r['host_ms_per_step']['p99']}")
+        print(
+            f"{r['backend']:>10} {r['compile_s']:>9} {r['fill_us']['p50']:>10}/{r['fill_us']['p99']:<9} "
+            f"{r['batch_fill_ms']['p50']:>12}/{r['batch_fill_ms']['p99']:<9} "
+            f"{r['accept_us']['p50']:>13} {r['host_ms_per_step']['p50']:>10}/{r['host_ms_per_step']['p99']}"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"vocab": vocab, "rows": rows}, indent=2))

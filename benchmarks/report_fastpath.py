@@ -6,6 +6,7 @@ beside the plain PyTorch CUDA-graph step measured in the same run and the HBM fl
 Reads decode_<backend>.json (bench_decode.py), plain_graph.txt (../shared/gpu/plain_graph_decode.py),
 offline_*.json (bench_offline.py) and serving/<config>/*.json (bench_serving.py); prints markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,16 +41,21 @@ def load(folder: Path) -> tuple[dict, dict]:
 def decode_table(decode: dict, anchor: dict) -> str:
     batches = sorted({b for rows in decode.values() for b in rows} | set(anchor))
     ctx = next(iter(next(iter(decode.values())).values()))["context"] if decode else 512
-    lines = ["| batch | " + " | ".join(f"{b} ms / tok/s" for b in decode) + " | plain graph ms / tok/s | "
-             "HBM floor ms | best vs plain |",
-             "|---:|" + "---:|" * (len(decode) + 3)]
+    lines = [
+        "| batch | " + " | ".join(f"{b} ms / tok/s" for b in decode) + " | plain graph ms / tok/s | "
+        "HBM floor ms | best vs plain |",
+        "|---:|" + "---:|" * (len(decode) + 3),
+    ]
     for bs in batches:
         cells, best = [], None
         for rows in decode.values():
             r = rows.get(bs)
             piped = f" ({r['pipelined_step_ms']:.2f} pipelined)" if r and "pipelined_step_ms" in r else ""
-            cells.append(f"{r['step_ms']:.2f} / {r['tokens_per_s']:,.0f}{'' if r['cuda_graph'] else ' (eager)'}"
-                         f"{piped}" if r else "")
+            cells.append(
+                f"{r['step_ms']:.2f} / {r['tokens_per_s']:,.0f}{'' if r['cuda_graph'] else ' (eager)'}{piped}"
+                if r
+                else ""
+            )
             if r and r["cuda_graph"]:
                 best = min(best or r["step_ms"], r["step_ms"])
         a = anchor.get(bs)
@@ -63,25 +69,31 @@ def offline_rows(folder: Path) -> str:
     lines = []
     for f in sorted(folder.glob("offline_*.json")):
         d = json.loads(f.read_text())
-        lines.append(f"- {d['workload']}: {d['num_prompts']} prompts, {d['input_tokens']:,} in / "
-                     f"{d['output_tokens']:,} out tokens in {d['seconds']:.1f} s = "
-                     f"{d['output_tokens_per_s']:,.0f} output tok/s ({d['attention_backend']}, "
-                     f"{d['decode_steps']} decode + {d['extend_steps']} extend steps)")
+        lines.append(
+            f"- {d['workload']}: {d['num_prompts']} prompts, {d['input_tokens']:,} in / "
+            f"{d['output_tokens']:,} out tokens in {d['seconds']:.1f} s = "
+            f"{d['output_tokens_per_s']:,.0f} output tok/s ({d['attention_backend']}, "
+            f"{d['decode_steps']} decode + {d['extend_steps']} extend steps)"
+        )
     return "\n".join(lines)
 
 
 def serving_table(folder: Path) -> str:
-    lines = ["| config | load | ok / aborted | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "(E2E-TTFT)/token ms |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| config | load | ok / aborted | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | (E2E-TTFT)/token ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for cfg in sorted((folder / "serving").glob("*")):
         for f in sorted(cfg.glob("*.json")):
             if f.name == "server_info.json":
                 continue
             d = json.loads(f.read_text())
             per_tok = (d["e2e_ms"]["mean"] - d["ttft_ms"]["mean"]) / max(d["mean_output_tokens"] - 1, 1)
-            lines.append(f"| {cfg.name} | {d['label']} | {d['completed']} / {d.get('aborted', 0)} | "
-                         f"{d['output_throughput']:,.0f} | {d['ttft_ms']['p50']:.0f} / {d['ttft_ms']['p99']:.0f} | "
-                         f"{d['itl_ms']['p50']:.1f} / {d['itl_ms']['p99']:.1f} | {per_tok:.1f} |")
+            lines.append(
+                f"| {cfg.name} | {d['label']} | {d['completed']} / {d.get('aborted', 0)} | "
+                f"{d['output_throughput']:,.0f} | {d['ttft_ms']['p50']:.0f} / {d['ttft_ms']['p99']:.0f} | "
+                f"{d['itl_ms']['p50']:.1f} / {d['itl_ms']['p99']:.1f} | {per_tok:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -96,11 +108,18 @@ def plot(decode: dict, anchor: dict, path: Path) -> None:
     for backend, rows in decode.items():
         bs = sorted(rows)
         ctx = rows[bs[0]]["context"]
-        line, = ax.plot(bs, [rows[b]["tokens_per_s"] for b in bs], "o-", label=f"radixlm {backend}, one step at a time")
+        (line,) = ax.plot(
+            bs, [rows[b]["tokens_per_s"] for b in bs], "o-", label=f"radixlm {backend}, one step at a time"
+        )
         piped = [b for b in bs if "pipelined_tokens_per_s" in rows[b]]
         if piped:  # as the overlap scheduler runs steps: the next launched before this one's ids are read
-            ax.plot(piped, [rows[b]["pipelined_tokens_per_s"] for b in piped], "^--", color=line.get_color(),
-                    label=f"radixlm {backend}, pipelined")
+            ax.plot(
+                piped,
+                [rows[b]["pipelined_tokens_per_s"] for b in piped],
+                "^--",
+                color=line.get_color(),
+                label=f"radixlm {backend}, pipelined",
+            )
     if anchor:
         bs = sorted(anchor)
         ax.plot(bs, [b / anchor[b] * 1e3 for b in bs], "s--", color="gray", label="plain PyTorch + CUDA graph")

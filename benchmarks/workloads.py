@@ -1,5 +1,6 @@
 """Prompt sets shared by our benchmarks and the peer runners (benchmarks/peers/), so that both engines get exactly
 the same token ids. Standard library only: the peer's Python environment imports it too."""
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,28 @@ def offline_workload(args, vocab: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def offline_report(args, data: list[tuple[list[int], int]], n_out: int, elapsed: float, label: str = "",
-                   **fields) -> dict:
+def offline_report(
+    args, data: list[tuple[list[int], int]], n_out: int, elapsed: float, label: str = "", **fields
+) -> dict:
     """The result of one offline run of `data` (checked: every request produced exactly its output length),
     printed as one line and written to args.out; `fields` add the engine's own facts."""
     n_in = sum(len(p) for p, _ in data)
     assert n_out == sum(n for _, n in data), "every request must produce exactly its output length"
-    result = {"workload": args.workload, "num_prompts": len(data), "input_tokens": n_in, "output_tokens": n_out,
-              "seconds": elapsed, "output_tokens_per_s": n_out / elapsed,
-              "total_tokens_per_s": (n_in + n_out) / elapsed, "requests_per_s": len(data) / elapsed, **fields}
-    print(f"{label}{args.workload}: {len(data)} prompts, {n_in} in / {n_out} out tokens in {elapsed:.1f} s = "
-          f"{n_out / elapsed:.0f} output tok/s ({(n_in + n_out) / elapsed:.0f} total tok/s)")
+    result = {
+        "workload": args.workload,
+        "num_prompts": len(data),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "seconds": elapsed,
+        "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "requests_per_s": len(data) / elapsed,
+        **fields,
+    }
+    print(
+        f"{label}{args.workload}: {len(data)} prompts, {n_in} in / {n_out} out tokens in {elapsed:.1f} s = "
+        f"{n_out / elapsed:.0f} output tok/s ({(n_in + n_out) / elapsed:.0f} total tok/s)"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

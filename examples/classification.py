@@ -38,8 +38,7 @@ def main() -> int:
             if st.error is not None:
                 raise st.error
             scores = st.get_meta_info("label")["normalized_prompt_logprobs"]
-            rows.append({"text": text, "expected": expected, "label": st["label"],
-                         "scores": dict(zip(LABELS, scores))})
+            rows.append({"text": text, "expected": expected, "label": st["label"], "scores": dict(zip(LABELS, scores))})
     finally:
         backend.shutdown()
 

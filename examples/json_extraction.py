@@ -41,8 +41,13 @@ def extract_invoice(s, text):
 
 
 def check_person(obj) -> bool:
-    return (isinstance(obj, dict) and set(obj) == {"name", "age", "city"} and isinstance(obj["name"], str)
-            and isinstance(obj["age"], int) and isinstance(obj["city"], str))
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"name", "age", "city"}
+        and isinstance(obj["name"], str)
+        and isinstance(obj["age"], int)
+        and isinstance(obj["city"], str)
+    )
 
 
 def main() -> int:
@@ -86,9 +91,22 @@ def main() -> int:
     print(f"parsed: {parsed_invoice!r} (matches the regex: {matches})")
     ok = ok and matches and parsed_invoice is not None
 
-    print("RESULT " + json.dumps({"ok": ok, "schema": PERSON_SCHEMA, "texts": TEXTS, "people_raw": raw_people,
-                                  "people": parsed_people, "invoice_regex": INVOICE_REGEX,
-                                  "invoice_text": INVOICE, "invoice_raw": raw_invoice, "invoice": parsed_invoice}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "ok": ok,
+                "schema": PERSON_SCHEMA,
+                "texts": TEXTS,
+                "people_raw": raw_people,
+                "people": parsed_people,
+                "invoice_regex": INVOICE_REGEX,
+                "invoice_text": INVOICE,
+                "invoice_raw": raw_invoice,
+                "invoice": parsed_invoice,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

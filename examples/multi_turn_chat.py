@@ -39,10 +39,19 @@ def main() -> int:
     for i, (message, reply, meta) in enumerate(zip(TURNS, replies, metas)):
         print(f"user:      {message}")
         print(f"assistant: {reply}")
-        print(f"           (prompt_tokens={meta['prompt_tokens']}, cached_tokens={meta['cached_tokens']}, "
-              f"completion_tokens={meta['completion_tokens']})")
-        turns.append({"user": message, "assistant": reply, "prompt_tokens": meta["prompt_tokens"],
-                      "cached_tokens": meta["cached_tokens"], "completion_tokens": meta["completion_tokens"]})
+        print(
+            f"           (prompt_tokens={meta['prompt_tokens']}, cached_tokens={meta['cached_tokens']}, "
+            f"completion_tokens={meta['completion_tokens']})"
+        )
+        turns.append(
+            {
+                "user": message,
+                "assistant": reply,
+                "prompt_tokens": meta["prompt_tokens"],
+                "cached_tokens": meta["cached_tokens"],
+                "completion_tokens": meta["completion_tokens"],
+            }
+        )
     print(f"{len(messages)} messages in the conversation: {[m['role'] for m in messages]}")
     ok = all(t["assistant"].strip() for t in turns) and len(messages) == 1 + 2 * len(TURNS)
     print("RESULT " + json.dumps({"ok": ok, "turns": turns, "roles": [m["role"] for m in messages]}))

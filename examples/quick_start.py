@@ -31,11 +31,22 @@ def main() -> int:
     print(state.text())
     print("--- the answer ---")
     print(answer)
-    print(f"prompt_tokens={meta['prompt_tokens']} completion_tokens={meta['completion_tokens']} "
-          f"finish_reason={meta['finish_reason']}")
+    print(
+        f"prompt_tokens={meta['prompt_tokens']} completion_tokens={meta['completion_tokens']} "
+        f"finish_reason={meta['finish_reason']}"
+    )
     ok = bool(answer.strip()) and meta["completion_tokens"] > 0
-    print("RESULT " + json.dumps({"ok": ok, "answer": answer, "completion_tokens": meta["completion_tokens"],
-                                  "finish_reason": meta["finish_reason"]}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "ok": ok,
+                "answer": answer,
+                "completion_tokens": meta["completion_tokens"],
+                "finish_reason": meta["finish_reason"],
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -6,10 +6,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from rag_document import QUESTIONS as ALL_QUESTIONS  # beside this script (shared with rag_run_batch.py)
+from rag_document import SYSTEM
 
 import radixlm as sgl
-
-from rag_document import QUESTIONS as ALL_QUESTIONS, SYSTEM  # beside this script (shared with rag_run_batch.py)
 
 QUESTIONS = [ALL_QUESTIONS[i] for i in (0, 1, 3, 4, 7)]  # five of them: the founder, year, mirror, university, comet
 
@@ -27,12 +27,18 @@ def main() -> int:
 
         def ask(question: str) -> dict:
             r = client.chat.completions.create(
-                model=model, temperature=0, max_tokens=24,
-                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+                model=model,
+                temperature=0,
+                max_tokens=24,
+                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            )
             details = r.usage.prompt_tokens_details
-            return {"question": question, "answer": r.choices[0].message.content,
-                    "prompt_tokens": r.usage.prompt_tokens,
-                    "cached_tokens": details.cached_tokens if details is not None else 0}
+            return {
+                "question": question,
+                "answer": r.choices[0].message.content,
+                "prompt_tokens": r.usage.prompt_tokens,
+                "cached_tokens": details.cached_tokens if details is not None else 0,
+            }
 
         # The first question puts the document in the server's radix cache; the rest go out concurrently
         # (the server batches them) and all find it there.
@@ -46,8 +52,10 @@ def main() -> int:
 
     for row, (_, expected) in zip(rows, QUESTIONS):
         row["expected"], row["correct"] = expected, expected.lower() in row["answer"].lower()
-        print(f"Q: {row['question']}\nA: {row['answer']}\n"
-              f"   prompt_tokens={row['prompt_tokens']} cached_tokens={row['cached_tokens']}")
+        print(
+            f"Q: {row['question']}\nA: {row['answer']}\n"
+            f"   prompt_tokens={row['prompt_tokens']} cached_tokens={row['cached_tokens']}"
+        )
     print(f"model {model}: {sum(r['correct'] for r in rows)}/{len(rows)} answers contain the expected word")
     # the first question may be a cache miss; every later one must reuse the document's tokens
     ok = all(r["answer"].strip() for r in rows) and all(r["cached_tokens"] > 0 for r in rows[1:])

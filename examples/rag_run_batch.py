@@ -4,9 +4,9 @@ import argparse
 import json
 import sys
 
-import radixlm as sgl
-
 from rag_document import QUESTIONS, SYSTEM  # beside this script: python puts its folder on the path
+
+import radixlm as sgl
 
 
 @sgl.function
@@ -31,19 +31,30 @@ def main() -> int:
             if st.error is not None:
                 raise st.error
             meta = st.get_meta_info("answer")
-            rows.append({"question": question, "answer": st["answer"], "expected": expected,
-                         "correct": expected.lower() in st["answer"].lower(),
-                         "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"]})
+            rows.append(
+                {
+                    "question": question,
+                    "answer": st["answer"],
+                    "expected": expected,
+                    "correct": expected.lower() in st["answer"].lower(),
+                    "prompt_tokens": meta["prompt_tokens"],
+                    "cached_tokens": meta["cached_tokens"],
+                }
+            )
     finally:
         backend.shutdown()
 
     for r in rows:
-        print(f"Q: {r['question']}\nA: {r['answer']}\n   prompt_tokens={r['prompt_tokens']} "
-              f"cached_tokens={r['cached_tokens']} {'(contains ' + repr(r['expected']) + ')' if r['correct'] else ''}")
+        print(
+            f"Q: {r['question']}\nA: {r['answer']}\n   prompt_tokens={r['prompt_tokens']} "
+            f"cached_tokens={r['cached_tokens']} {'(contains ' + repr(r['expected']) + ')' if r['correct'] else ''}"
+        )
     cached = sum(r["cached_tokens"] for r in rows)
     total = sum(r["prompt_tokens"] for r in rows)
-    print(f"{cached} of {total} prompt tokens came from the cache; "
-          f"{sum(r['correct'] for r in rows)}/{len(rows)} answers contain the expected word")
+    print(
+        f"{cached} of {total} prompt tokens came from the cache; "
+        f"{sum(r['correct'] for r in rows)}/{len(rows)} answers contain the expected word"
+    )
     ok = all(r["answer"].strip() for r in rows) and cached > 0
     print("RESULT " + json.dumps({"ok": ok, "rows": rows, "cached_tokens": cached, "prompt_tokens": total}))
     return 0 if ok else 1

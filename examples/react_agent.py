@@ -14,12 +14,14 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 
 def calculator(expression: str) -> str:
     """Arithmetic on numbers with + - * / and parentheses (no eval of arbitrary code)."""
+
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
         raise ValueError(f"unsupported expression: {expression!r}")
+
     try:
         value = ev(ast.parse(expression, mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError) as e:
@@ -67,8 +69,11 @@ def agent(s, question, max_steps=4):
         action = s[f"action{i}"]  # reading a variable waits for it: the program branches on it in Python
         regex = FINISH_REGEX if action == "finish" else TOOLS[action][1]
         s += "Action Input: " + sgl.gen(f"input{i}", regex=regex, max_tokens=20, temperature=0) + "\n"
-        step = {"action": action, "input": s[f"input{i}"],
-                "scores": dict(zip(ACTIONS, s.get_meta_info(f"action{i}")["normalized_prompt_logprobs"]))}
+        step = {
+            "action": action,
+            "input": s[f"input{i}"],
+            "scores": dict(zip(ACTIONS, s.get_meta_info(f"action{i}")["normalized_prompt_logprobs"])),
+        }
         steps.append(step)
         if action == "finish":
             break
@@ -103,9 +108,20 @@ def main() -> int:
     print(f"Final answer: {answer}" if answer is not None else f"No final answer within {len(steps)} steps.")
     tool_calls = [st for st in steps if st["action"] in TOOLS]
     ok = bool(tool_calls) and not any(st["observation"].startswith("error") for st in tool_calls)
-    print("RESULT " + json.dumps({"ok": ok, "question": args.question, "tools": list(TOOLS),
-                                  "tool_regex": {k: v[1] for k, v in TOOLS.items()},
-                                  "population_millions": POPULATION_MILLIONS, "steps": steps, "answer": answer}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "ok": ok,
+                "question": args.question,
+                "tools": list(TOOLS),
+                "tool_regex": {k: v[1] for k, v in TOOLS.items()},
+                "population_millions": POPULATION_MILLIONS,
+                "steps": steps,
+                "answer": answer,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -29,14 +29,25 @@ def tree_of_thought(s, question):
             step += sgl.user("Is that step useful? Answer yes or no.")
             step += sgl.assistant(sgl.select("useful", choices=["yes", "no"]))
         steps.join()
-        tree.append({"idea": idea["idea"], "idea_meta": idea.get_meta_info("idea"),
-                     "steps": [{"step": st["step"], "useful": st["useful"],
-                                "useful_scores": st.get_meta_info("useful")["normalized_prompt_logprobs"]}
-                               for st in steps]})
+        tree.append(
+            {
+                "idea": idea["idea"],
+                "idea_meta": idea.get_meta_info("idea"),
+                "steps": [
+                    {
+                        "step": st["step"],
+                        "useful": st["useful"],
+                        "useful_scores": st.get_meta_info("useful")["normalized_prompt_logprobs"],
+                    }
+                    for st in steps
+                ],
+            }
+        )
 
     # the judge sees every idea with its steps (and their checks) and picks one
-    listing = "\n".join(f"{i + 1}. {node['idea']} First step: {node['steps'][0]['step']}"
-                        for i, node in enumerate(tree))
+    listing = "\n".join(
+        f"{i + 1}. {node['idea']} First step: {node['steps'][0]['step']}" for i, node in enumerate(tree)
+    )
     s += sgl.user(f"Here are {N_IDEAS} ideas:\n{listing}\nWhich idea is the best? Answer with its number.")
     s += sgl.assistant(sgl.select("best", choices=[str(i + 1) for i in range(N_IDEAS)]))
     return tree
@@ -65,11 +76,15 @@ def main() -> int:
         for st in node["steps"]:
             print(f"    -> first step: {st['step']}   (useful? {st['useful']})")
     print(f"The judge picks idea {best} (scores: {', '.join(f'{v:.2f}' for v in best_scores)})")
-    ok = (len(tree) == N_IDEAS and all(len(n["steps"]) == N_STEPS for n in tree)
-          and all(n["idea"].strip() and all(st["step"].strip() for st in n["steps"]) for n in tree)
-          and all(math.isfinite(v) for v in best_scores))
-    print("RESULT " + json.dumps({"ok": ok, "question": QUESTION, "tree": tree, "best": best,
-                                  "best_scores": best_scores}))
+    ok = (
+        len(tree) == N_IDEAS
+        and all(len(n["steps"]) == N_STEPS for n in tree)
+        and all(n["idea"].strip() and all(st["step"].strip() for st in n["steps"]) for n in tree)
+        and all(math.isfinite(v) for v in best_scores)
+    )
+    print(
+        "RESULT " + json.dumps({"ok": ok, "question": QUESTION, "tree": tree, "best": best, "best_scores": best_scores})
+    )
     return 0 if ok else 1
 
 

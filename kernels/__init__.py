@@ -3,9 +3,8 @@
 Everything here imports without Triton; `HAS_TRITON` says whether the kernels can run. On CPU they run under
 `TRITON_INTERPRET=1`, which is how CI tests them.
 """
-from __future__ import annotations
 
-import os
+from __future__ import annotations
 
 from radixlm.srt import env
 

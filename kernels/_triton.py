@@ -1,8 +1,7 @@
 """`triton` and `triton.language` when installed, else stand-ins that let kernel modules import (their
 `@triton.jit` functions are then never launched)."""
-from __future__ import annotations
 
-import os
+from __future__ import annotations
 
 from radixlm.srt import env
 
@@ -10,6 +9,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:
+
     class _Stub:
         constexpr = int
 
@@ -39,9 +39,13 @@ def pdl_enabled(device) -> bool:
     if key not in _PDL:
         import torch
 
-        _PDL[key] = (gdc_wait is not None and env.PDL.get() and not env.TRITON_INTERPRET.get()
-                     and torch.cuda.is_available()
-                     and torch.cuda.get_device_capability(device)[0] >= 9)
+        _PDL[key] = (
+            gdc_wait is not None
+            and env.PDL.get()
+            and not env.TRITON_INTERPRET.get()
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] >= 9
+        )
     return _PDL[key]
 
 

@@ -1,4 +1,5 @@
 """SiLU(gate) * up over the fused gate_up projection's output."""
+
 from __future__ import annotations
 
 import torch
@@ -30,6 +31,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         block = 1024
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
-                                                                  BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))](
+            x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
     return out

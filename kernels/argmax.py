@@ -4,6 +4,7 @@ torch's argmax over a [B, 128256] float32 row runs as one reduction per row: ten
 percent of a batch-1 decode step. Splitting each row into chunks fills the GPU;
 ties resolve to the lowest index, as torch's do.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ against several us per torch op. The cache key is the source, the compiler's ver
 build is -march=native). Without a C compiler `load()` returns None and callers keep their torch-op paths.
 Tensors passed in must be contiguous where the C side says so; the wrappers check what they cannot assume.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -78,8 +79,9 @@ def build_variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     flags = _FLAGS + list(extra_flags)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()
-                             + _cpu_flags().encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            _SOURCE.read_bytes() + " ".join(flags).encode() + version.encode() + _cpu_flags().encode()
+        ).hexdigest()[:16]
         out = cache_dir() / "ext" / f"cpu_kernels-{key}.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -135,16 +137,25 @@ def q8_gemm_ref(q: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> torch.Tens
 
 
 # --- RMSNorm with the residual add ---------------------------------------------------------------------------
-def add_rmsnorm(residual: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                out_dtype: torch.dtype) -> torch.Tensor:
+def add_rmsnorm(
+    residual: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
     """residual [T, H] fp32 += add (bf16 or fp32, same shape), in place; returns rmsnorm(residual) * weight
     in `out_dtype` (bf16 or fp32)."""
     t, h = residual.shape
     _check(residual, weight, *(() if add is None else (add,)))
     out = torch.empty(t, h, dtype=out_dtype)
-    load().add_rmsnorm(residual.data_ptr(), None if add is None else add.data_ptr(),
-                       add is not None and add.dtype == torch.bfloat16, weight.data_ptr(), eps, t, h,
-                       out.data_ptr(), out_dtype == torch.bfloat16)
+    load().add_rmsnorm(
+        residual.data_ptr(),
+        None if add is None else add.data_ptr(),
+        add is not None and add.dtype == torch.bfloat16,
+        weight.data_ptr(),
+        eps,
+        t,
+        h,
+        out.data_ptr(),
+        out_dtype == torch.bfloat16,
+    )
     return out
 
 
@@ -155,8 +166,17 @@ def add_rmsnorm_ref(residual, add, weight, eps, out_dtype):
 
 
 # --- rope + KV store -----------------------------------------------------------------------------------------
-def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, loc: torch.Tensor, h: int, kvh: int, d: int) -> torch.Tensor:
+def rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    h: int,
+    kvh: int,
+    d: int,
+) -> torch.Tensor:
     """qkv [T, (h + 2 kvh) d] (bf16 or fp32, unit stride in the last dim): rotates q and k (rotate-half, by
     cos_sin [P, d] = cos | sin), writes k and v into the fp32 caches [slots, kvh, d] at `loc`; returns q
     [T, h, d] fp32."""
@@ -165,28 +185,49 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
         qkv = qkv.contiguous()
     _check(positions, cos_sin, k_cache, v_cache, loc)
     q = torch.empty(t, h, d, dtype=torch.float32)
-    load().rope_store(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), positions.data_ptr(),
-                      cos_sin.data_ptr(), cos_sin.stride(0), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                      loc.data_ptr(), t, h, kvh, d)
+    load().rope_store(
+        qkv.data_ptr(),
+        qkv.dtype == torch.bfloat16,
+        qkv.stride(0),
+        positions.data_ptr(),
+        cos_sin.data_ptr(),
+        cos_sin.stride(0),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        loc.data_ptr(),
+        t,
+        h,
+        kvh,
+        d,
+    )
     return q
 
 
 def rope_store_ref(qkv, positions, cos_sin, k_cache, v_cache, loc, h, kvh, d):
     t, half = qkv.shape[0], d // 2
     x = qkv.float()
-    qk = x[:, :(h + kvh) * d].reshape(t, h + kvh, d)
+    qk = x[:, : (h + kvh) * d].reshape(t, h + kvh, d)
     cs = cos_sin.index_select(0, positions).unsqueeze(1)
     cos, sin = cs[..., :half], cs[..., half:]
     x1, x2 = qk[..., :half], qk[..., half:]
     rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
     k_cache.index_copy_(0, loc, rot[:, h:].contiguous())
-    v_cache.index_copy_(0, loc, x[:, (h + kvh) * d:].reshape(t, kvh, d).contiguous())
+    v_cache.index_copy_(0, loc, x[:, (h + kvh) * d :].reshape(t, kvh, d).contiguous())
     return rot[:, :h].contiguous()
 
 
 # --- decode attention from the paged pool --------------------------------------------------------------------
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-                     rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:
     """q [B, H, D] fp32 (one token per request), caches [slots, KVH, D] fp32, request b attending to the slots
     req_to_token[rows[b], :seq_lens[b]] (int32 table, int64 rows and lengths); returns [B, H * D] fp32."""
     b, h, d = q.shape
@@ -194,16 +235,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     _check(k_cache, v_cache, req_to_token, rows, seq_lens)
     out = torch.empty(b, h * d, dtype=torch.float32)
-    load().decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                            req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(),
-                            out.data_ptr(), b, h, k_cache.shape[1], d, scale, max_len)
+    load().decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        req_to_token.data_ptr(),
+        req_to_token.stride(0),
+        rows.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        k_cache.shape[1],
+        d,
+        scale,
+        max_len,
+    )
     return out
 
 
 def decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, seq_lens, max_len, scale):
     outs = []
     for i in range(q.shape[0]):
-        slots = req_to_token[rows[i], :seq_lens[i]].long()
+        slots = req_to_token[rows[i], : seq_lens[i]].long()
         k, v = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [KVH, L, D]
         outs.append(F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True))
     return torch.stack(outs).reshape(q.shape[0], -1)
@@ -270,14 +325,14 @@ def q4_gemm(qs: torch.Tensor, dm: torch.Tensor, x: torch.Tensor, n: int, k: int)
     buf = _q4_scratch(words + rows * (k // 32))
     y = torch.empty(rows, n, dtype=torch.float32)
     ptr = buf.data_ptr()
-    load().q4_gemm(qs.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), ptr, ptr + 4 * words, y.data_ptr(), rows,
-                   n, k)
+    load().q4_gemm(
+        qs.data_ptr(), dm.data_ptr(), x.data_ptr(), x.stride(0), ptr, ptr + 4 * words, y.data_ptr(), rows, n, k
+    )
     return y
 
 
 def q4_gemm_ref(q: np.ndarray, d: np.ndarray, m: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     """The same product in fp64 over the dequantized weight, x rounded to bf16 as the kernel takes it."""
     n, k = q.shape
-    w = q.reshape(n, k // 32, 32).astype(np.float64) * d.astype(np.float16)[..., None] \
-        + m.astype(np.float16)[..., None]
+    w = q.reshape(n, k // 32, 32).astype(np.float64) * d.astype(np.float16)[..., None] + m.astype(np.float16)[..., None]
     return x.bfloat16().double() @ torch.from_numpy(w.reshape(n, k)).T

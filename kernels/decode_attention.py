@@ -6,6 +6,7 @@ GQA uses the tensor cores). Stage 2 merges the splits by their log-sum-exp. Spli
 with a long context fill the GPU ("flash-decoding"); the number of splits is fixed per batch size, so the
 launch is the same on every replay of a CUDA graph while the per-request split length follows `seq_lens`.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,11 +38,39 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit
-def _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, num_splits, mid_o_ptr, mid_lse_ptr,
-                  mo_base, ml_base, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
-                  stride_moh, stride_mlh, qk_scale,
-                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                  BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+def _attend_split(
+    q_ptr,
+    qb,
+    k_ptr,
+    v_ptr,
+    r2t_ptr,
+    row,
+    seq_len,
+    kvh,
+    s,
+    num_splits,
+    mid_o_ptr,
+    mid_lse_ptr,
+    mo_base,
+    ml_base,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_r2t,
+    stride_moh,
+    stride_mlh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """Split `s` of `num_splits` of one request's KV for the query heads of KV head `kvh`: the partial output
     goes to mid_o[mo_base + head * stride_moh], its log-sum-exp to mid_lse[ml_base + head * stride_mlh]."""
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -53,8 +82,11 @@ def _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, num_sp
     hmask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(q_ptr + qb * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + qb * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -83,14 +115,25 @@ def _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, num_sp
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(mid_o_ptr + mo_base + heads[:, None] * stride_moh + d[None, :], out,
-             mask=hmask[:, None] & dmask[None, :])
+    tl.store(mid_o_ptr + mo_base + heads[:, None] * stride_moh + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
     tl.store(mid_lse_ptr + ml_base + heads * stride_mlh, lse, mask=hmask)
 
 
 @triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, mo_base, ml_base, o_base, stride_mos, stride_mls, num_splits,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_splits(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    mo_base,
+    ml_base,
+    o_base,
+    stride_mos,
+    stride_mls,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """One (request, head): the splits' partial outputs (mid_o[mo_base + s * stride_mos]) weighed by their
     log-sum-exps (mid_lse[ml_base + s * stride_mls]) into out[o_base]."""
     s = tl.arange(0, BLOCK_S)
@@ -98,19 +141,47 @@ def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, mo_base, ml_base, o_base, str
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(mid_lse_ptr + ml_base + s * stride_mls, mask=smask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(mid_o_ptr + mo_base + s[:, None] * stride_mos + d[None, :],
-                mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    o = tl.load(
+        mid_o_ptr + mo_base + s[:, None] * stride_mos + d[None, :], mask=smask[:, None] & (d[None, :] < D), other=0.0
+    )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + o_base + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
-def _decode_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
-                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                   qk_scale, num_splits,
-                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_QROWS: tl.constexpr):
+def _decode_stage1(
+    q_ptr,
+    qrows_ptr,
+    k_ptr,
+    v_ptr,
+    r2t_ptr,
+    rows_ptr,
+    lens_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_r2t,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    qk_scale,
+    num_splits,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    HAS_QROWS: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -119,23 +190,79 @@ def _decode_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, 
         qb = tl.load(qrows_ptr + b).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
-    _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, num_splits, mid_o_ptr, mid_lse_ptr,
-                  b * stride_mob + s * stride_mos, b * stride_mlb + s, stride_qb, stride_qh, stride_ks, stride_kh,
-                  stride_vs, stride_vh, stride_r2t, stride_moh, stride_mlh, qk_scale, GROUP=GROUP, BLOCK_H=BLOCK_H,
-                  BLOCK_N=BLOCK_N, D=D, BLOCK_D=BLOCK_D, F32_DOT=F32_DOT, DOT_PREC=DOT_PREC)
+    _attend_split(
+        q_ptr,
+        qb,
+        k_ptr,
+        v_ptr,
+        r2t_ptr,
+        row,
+        seq_len,
+        kvh,
+        s,
+        num_splits,
+        mid_o_ptr,
+        mid_lse_ptr,
+        b * stride_mob + s * stride_mos,
+        b * stride_mlb + s,
+        stride_qb,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        stride_r2t,
+        stride_moh,
+        stride_mlh,
+        qk_scale,
+        GROUP=GROUP,
+        BLOCK_H=BLOCK_H,
+        BLOCK_N=BLOCK_N,
+        D=D,
+        BLOCK_D=BLOCK_D,
+        F32_DOT=F32_DOT,
+        DOT_PREC=DOT_PREC,
+    )
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
-def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, qrows_ptr, stride_mob, stride_moh, stride_mos, stride_mlb,
-                   stride_mlh, stride_ob, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, HAS_QROWS: tl.constexpr):
+def _decode_stage2(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    qrows_ptr,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_QROWS: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ob = b.to(tl.int64)
     if HAS_QROWS:
         ob = tl.load(qrows_ptr + b).to(tl.int64)
-    _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b * stride_mob + h * stride_moh, b * stride_mlb + h * stride_mlh,
-                  ob * stride_ob + h * stride_oh, stride_mos, 1, num_splits, D=D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S)
+    _merge_splits(
+        mid_o_ptr,
+        mid_lse_ptr,
+        out_ptr,
+        b * stride_mob + h * stride_moh,
+        b * stride_mlb + h * stride_mlh,
+        ob * stride_ob + h * stride_oh,
+        stride_mos,
+        1,
+        num_splits,
+        D=D,
+        BLOCK_D=BLOCK_D,
+        BLOCK_S=BLOCK_S,
+    )
 
 
 # Rows of a mixed batch (one-token requests riding along a prompt chunk) in a fixed launch: how many rows there
@@ -144,11 +271,37 @@ def _decode_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, qrows_ptr, stride_mob, strid
 # So the launch is the same whatever the batch and a CUDA graph holds it. The partial results are kept per item
 # (row * splits + split), which bounds their buffer by rows x splits.
 @triton.jit
-def _rows_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, ctl_ptr, mid_o_ptr, mid_lse_ptr,
-                 stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t, stride_moi,
-                 stride_moh, stride_mli, qk_scale,
-                 KVH: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+def _rows_stage1(
+    q_ptr,
+    qrows_ptr,
+    k_ptr,
+    v_ptr,
+    r2t_ptr,
+    rows_ptr,
+    lens_ptr,
+    ctl_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_r2t,
+    stride_moi,
+    stride_moh,
+    stride_mli,
+    qk_scale,
+    KVH: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     n = tl.load(ctl_ptr).to(tl.int32)
     splits = tl.load(ctl_ptr + 1).to(tl.int32)
     item = tl.program_id(0)
@@ -162,16 +315,58 @@ def _rows_stage1(q_ptr, qrows_ptr, k_ptr, v_ptr, r2t_ptr, rows_ptr, lens_ptr, ct
     row = tl.load(rows_ptr + b).to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
     mid = (b * splits + s).to(tl.int64)
-    _attend_split(q_ptr, qb, k_ptr, v_ptr, r2t_ptr, row, seq_len, kvh, s, splits, mid_o_ptr, mid_lse_ptr,
-                  mid * stride_moi, mid * stride_mli, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs,
-                  stride_vh, stride_r2t, stride_moh, 1, qk_scale, GROUP=GROUP, BLOCK_H=BLOCK_H,
-                  BLOCK_N=BLOCK_N, D=D, BLOCK_D=BLOCK_D, F32_DOT=F32_DOT, DOT_PREC=DOT_PREC)
+    _attend_split(
+        q_ptr,
+        qb,
+        k_ptr,
+        v_ptr,
+        r2t_ptr,
+        row,
+        seq_len,
+        kvh,
+        s,
+        splits,
+        mid_o_ptr,
+        mid_lse_ptr,
+        mid * stride_moi,
+        mid * stride_mli,
+        stride_qb,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        stride_r2t,
+        stride_moh,
+        1,
+        qk_scale,
+        GROUP=GROUP,
+        BLOCK_H=BLOCK_H,
+        BLOCK_N=BLOCK_N,
+        D=D,
+        BLOCK_D=BLOCK_D,
+        F32_DOT=F32_DOT,
+        DOT_PREC=DOT_PREC,
+    )
 
 
 @triton.jit
-def _rows_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, qrows_ptr, ctl_ptr, stride_moi, stride_moh, stride_mli,
-                 stride_ob, stride_oh, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
+def _rows_stage2(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    qrows_ptr,
+    ctl_ptr,
+    stride_moi,
+    stride_moh,
+    stride_mli,
+    stride_ob,
+    stride_oh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     n = tl.load(ctl_ptr).to(tl.int32)
     splits = tl.load(ctl_ptr + 1).to(tl.int32)
     item = tl.program_id(0)
@@ -181,9 +376,20 @@ def _rows_stage2(mid_o_ptr, mid_lse_ptr, out_ptr, qrows_ptr, ctl_ptr, stride_moi
     h = item % H
     ob = tl.load(qrows_ptr + b).to(tl.int64)
     first = (b * splits).to(tl.int64)
-    _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, first * stride_moi + h * stride_moh, first * stride_mli + h,
-                  ob * stride_ob + h * stride_oh, stride_moi, stride_mli, splits, D=D, BLOCK_D=BLOCK_D,
-                  BLOCK_S=BLOCK_S)
+    _merge_splits(
+        mid_o_ptr,
+        mid_lse_ptr,
+        out_ptr,
+        first * stride_moi + h * stride_moh,
+        first * stride_mli + h,
+        ob * stride_ob + h * stride_oh,
+        stride_moi,
+        stride_mli,
+        splits,
+        D=D,
+        BLOCK_D=BLOCK_D,
+        BLOCK_S=BLOCK_S,
+    )
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
@@ -191,9 +397,21 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(MAX_SPLITS, math.ceil(2 * num_sms / max(1, batch_size * num_kv_heads))))
 
 
-def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale: float,
-                     num_splits: int, out: torch.Tensor | None = None, block_n: int | None = None,
-                     q_rows: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    sm_scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    q_rows: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D]; req_to_token: [rows, max_ctx] int32;
     req_pool_indices/seq_lens: [B]. Reads only tensors: capturable in a CUDA graph. With `q_rows` ([B] int64),
     request i's query is q[q_rows[i]] and its output goes to out[q_rows[i]] (one-token rows of a larger
@@ -216,19 +434,59 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     block_d = next_pow2(d)
     rows_arg = q_rows if q_rows is not None else seq_lens  # any int tensor when unused (HAS_QROWS=False)
     _decode_stage1[(b, kvh, num_splits)](
-        q, rows_arg, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-        mid_o, mid_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), sm_scale * _LOG2E, num_splits,
-        GROUP=group, BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
-        DOT_PREC=dot_precision(q.dtype), HAS_QROWS=q_rows is not None,
-        num_warps=num_warps, num_stages=num_stages)
+        q,
+        rows_arg,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        sm_scale * _LOG2E,
+        num_splits,
+        GROUP=group,
+        BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        D=d,
+        BLOCK_D=block_d,
+        F32_DOT=INTERPRET,
+        DOT_PREC=dot_precision(q.dtype),
+        HAS_QROWS=q_rows is not None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     _decode_stage2[(b, h)](
-        mid_o, mid_lse, out, rows_arg, mid_o.stride(0), mid_o.stride(1),
-        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=d,
-        BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), HAS_QROWS=q_rows is not None,
-        num_warps=4)  # one compiled kernel for every split count
+        mid_o,
+        mid_lse,
+        out,
+        rows_arg,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        D=d,
+        BLOCK_D=block_d,
+        BLOCK_S=max(2, next_pow2(MAX_SPLITS)),
+        HAS_QROWS=q_rows is not None,
+        num_warps=4,
+    )  # one compiled kernel for every split count
     return out
 
 
@@ -238,8 +496,20 @@ def rows_items_cap(max_rows: int, num_kv_heads: int, num_sms: int) -> int:
     return max(n * decode_num_splits(n, num_kv_heads, num_sms) for n in range(1, max(1, max_rows) + 1))
 
 
-def decode_attention_rows(q, k_cache, v_cache, req_to_token, q_rows, req_pool_indices, seq_lens, ctl,
-                          sm_scale: float, out: torch.Tensor, max_items: int, block_n: int = 64) -> torch.Tensor:
+def decode_attention_rows(
+    q,
+    k_cache,
+    v_cache,
+    req_to_token,
+    q_rows,
+    req_pool_indices,
+    seq_lens,
+    ctl,
+    sm_scale: float,
+    out: torch.Tensor,
+    max_items: int,
+    block_n: int = 64,
+) -> torch.Tensor:
     """Decode attention for the first ctl[0] entries of q_rows / req_pool_indices / seq_lens, each split
     ctl[1] ways (ctl: a device int tensor); reads q[q_rows[i]] and writes out[q_rows[i]]. The launch depends
     only on the shapes and `max_items` (>= ctl[0] * ctl[1]), never on ctl: a CUDA graph replays it for any
@@ -252,12 +522,53 @@ def decode_attention_rows(q, k_cache, v_cache, req_to_token, q_rows, req_pool_in
     mid_lse = torch.empty((max_items, h), dtype=torch.float32, device=q.device)
     block_d = next_pow2(d)
     _rows_stage1[(max_items * kvh,)](
-        q, q_rows, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ctl, mid_o, mid_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), sm_scale * _LOG2E,
-        KVH=kvh, GROUP=h // kvh, BLOCK_H=max(16, next_pow2(h // kvh)), BLOCK_N=block_n, D=d, BLOCK_D=block_d,
-        F32_DOT=INTERPRET, DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2)
+        q,
+        q_rows,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        ctl,
+        mid_o,
+        mid_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_lse.stride(0),
+        sm_scale * _LOG2E,
+        KVH=kvh,
+        GROUP=h // kvh,
+        BLOCK_H=max(16, next_pow2(h // kvh)),
+        BLOCK_N=block_n,
+        D=d,
+        BLOCK_D=block_d,
+        F32_DOT=INTERPRET,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
     _rows_stage2[(q_rows.shape[0] * h,)](
-        mid_o, mid_lse, out, q_rows, ctl, mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0),
-        out.stride(1), H=h, D=d, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(MAX_SPLITS)), num_warps=4)
+        mid_o,
+        mid_lse,
+        out,
+        q_rows,
+        ctl,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_lse.stride(0),
+        out.stride(0),
+        out.stride(1),
+        H=h,
+        D=d,
+        BLOCK_D=block_d,
+        BLOCK_S=max(2, next_pow2(MAX_SPLITS)),
+        num_warps=4,
+    )
     return out

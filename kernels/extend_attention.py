@@ -5,6 +5,7 @@ block table, so the launch depends only on the table's length: a CUDA graph hold
 The new tokens' K/V are already in the pool (the rope kernel stored them), so prefix and new part are read the
 same way, through `req_to_token`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ _LOG2E = 1.4426950408889634
 
 
 # --- torch reference -----------------------------------------------------------------------------------------
-def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-                         sm_scale: float) -> torch.Tensor:
+def extend_attention_ref(
+    q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale: float
+) -> torch.Tensor:
     """q: [T, H, D] (requests' new tokens back to back); returns [T, H, D]."""
     h = q.shape[1]
     kvh = k_cache.shape[1]
@@ -38,11 +40,36 @@ def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, pr
 
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["stride_blk"])  # the table's length varies per eager batch: one compile
-def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ext_ptr, qstart_ptr, blk_ptr,
-                   stride_blk, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-                   stride_r2t, qk_scale,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    r2t_ptr,
+    rows_ptr,
+    prefix_ptr,
+    ext_ptr,
+    qstart_ptr,
+    blk_ptr,
+    stride_blk,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_r2t,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     entry = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(blk_ptr + entry)
@@ -59,8 +86,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ex
     mmask = m < ext_len
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(q_ptr + (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=mmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
         q = q.to(tl.float32)
     q_pos = prefix + m
@@ -89,8 +119,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, r2t_ptr, rows_ptr, prefix_ptr, ex
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(o_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    tl.store(
+        o_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=mmask[:, None] & dmask[None, :],
+    )
 
 
 def extend_block_m(head_dim: int, on_cuda: bool) -> int:
@@ -110,8 +143,19 @@ def extend_blocks(extend_lens, block_m: int) -> tuple[list[int], list[int]]:
     return reqs, blocks
 
 
-def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
-                     blocks: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def extend_attention(
+    q,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    q_starts,
+    blocks: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q: [T, H, D]; prefix_lens/extend_lens/q_starts: [B] device tensors; blocks: [2, NB] device int tensor,
     the (request, block) table from `extend_blocks` for `extend_block_m`, request -1 marking unused entries.
     The new tokens' K/V must already be in the pool."""
@@ -130,10 +174,35 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
         block_n = 64 if d <= 128 else 32
         warps, stages = 8, 2
     _extend_kernel[(nb, h)](
-        q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, blocks,
-        blocks.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0), sm_scale * _LOG2E,
-        GROUP=h // kvh, BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d, F32_DOT=INTERPRET,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        q_starts,
+        blocks,
+        blocks.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        sm_scale * _LOG2E,
+        GROUP=h // kvh,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D=d,
+        BLOCK_D=block_d,
+        F32_DOT=INTERPRET,
         DOT_PREC=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages)
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out

@@ -8,6 +8,7 @@ projection: each program reads a band of gate rows and the matching up rows, and
 Whether they beat cuBLAS depends on the shape and the GPU, so `GemvTuner` times both per (N, K, M) at start-up
 and the ops use the kernel only where it measured faster.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,7 @@ def gemv_silu_mul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 def _load_w(rows, k0, K, rk, n_mask, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(rows + k0, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
-    return tl.load(rows + k0, mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
+    return tl.load(rows + k0, mask=n_mask[:, None] & ((k0 + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -47,9 +47,26 @@ def _load_x(rows, k0, K, rk, m_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, up_offset,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    up_offset,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -99,8 +116,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 # (BLOCK_N, BLOCK_K, num_warps) candidates; the tuner times them per shape. Register use grows with
 # BLOCK_M * BLOCK_N * BLOCK_K, so larger batches get the narrower tiles.
 CONFIGS: dict[int, list[tuple[int, int, int]]] = {
-    1: [(8, 256, 4), (4, 512, 4), (2, 1024, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8), (1, 1024, 4),
-        (1, 2048, 4), (2, 2048, 8)],
+    1: [
+        (8, 256, 4),
+        (4, 512, 4),
+        (2, 1024, 4),
+        (4, 1024, 8),
+        (8, 512, 8),
+        (16, 512, 8),
+        (1, 1024, 4),
+        (1, 2048, 4),
+        (2, 2048, 8),
+    ],
     2: [(8, 256, 4), (8, 128, 4), (4, 256, 4)],
     4: [(8, 128, 4), (4, 256, 4), (4, 128, 4)],
     8: [(4, 128, 4), (8, 64, 4), (2, 256, 4)],
@@ -122,21 +148,40 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.T
     if x.stride(-1) != 1:
         x = x.contiguous()
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), n,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0, BLOCK_M=_block_m(m),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_args(x.device))
+        x,
+        w,
+        bias if bias is not None else w,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        n,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        EVEN_K=k % block_k == 0,
+        BLOCK_M=_block_m(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        **pdl_args(x.device),
+    )
     return out
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
+) -> torch.Tensor:
     """x [M, K] (M <= 8), w [N, K] contiguous rows -> [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1
     return _launch(x, w, bias, False, config or CONFIGS[_block_m(x.shape[0])][0])
 
 
-def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def gemv_silu_mul(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
+) -> torch.Tensor:
     """x [M, K] (M <= 8), w [2N, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1 and w.shape[0] % 2 == 0
     return _launch(x, w, bias, True, config or CONFIGS[_block_m(x.shape[0])][0])
@@ -177,9 +222,11 @@ class GemvTuner:
                     if t < best_t:
                         best, best_t = cfg, t
                 self.choice[key] = best
-                lines.append(f"N={w.shape[0]} K={w.shape[1]} {'gate_up+silu ' if fused else ''}M<={bm}: "
-                             f"cuBLAS {base * 1e3:.1f} us, best {'cuBLAS' if best is None else best} "
-                             f"{best_t * 1e3:.1f} us")
+                lines.append(
+                    f"N={w.shape[0]} K={w.shape[1]} {'gate_up+silu ' if fused else ''}M<={bm}: "
+                    f"cuBLAS {base * 1e3:.1f} us, best {'cuBLAS' if best is None else best} "
+                    f"{best_t * 1e3:.1f} us"
+                )
             del copies
         self.report += lines
         return lines

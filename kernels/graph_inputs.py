@@ -9,6 +9,7 @@ graph launch: no separate copy, no event, no eager index kernels before it. Whic
 on the device (`counter`): every program of the launch reads it, and the last one to finish advances it, so a
 replay needs no per-replay argument (replays run in launch order, and the host keeps its own count in step).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ from radixlm.kernels._triton import tl, triton
 _BLOCK = 1024
 
 
-def pull_inputs_ref(ring: torch.Tensor, counter: torch.Tensor, static: torch.Tensor, future_map: torch.Tensor,
-                    num_ids: int) -> torch.Tensor:
+def pull_inputs_ref(
+    ring: torch.Tensor, counter: torch.Tensor, static: torch.Tensor, future_map: torch.Tensor, num_ids: int
+) -> torch.Tensor:
     """ring [R, N], counter [1], static [N], future_map [F]; the first `num_ids` entries are ids."""
     turn = int(counter[0])
     vals = ring[turn % ring.shape[0]].to(static.device).clone()
@@ -32,8 +34,9 @@ def pull_inputs_ref(ring: torch.Tensor, counter: torch.Tensor, static: torch.Ten
 
 
 @triton.jit
-def _pull_inputs_kernel(ring_ptr, counter_ptr, done_ptr, static_ptr, future_ptr, n, num_ids, RING: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _pull_inputs_kernel(
+    ring_ptr, counter_ptr, done_ptr, static_ptr, future_ptr, n, num_ids, RING: tl.constexpr, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0)
     turn = tl.load(counter_ptr)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -49,13 +52,15 @@ def _pull_inputs_kernel(ring_ptr, counter_ptr, done_ptr, static_ptr, future_ptr,
         tl.store(counter_ptr, turn + 1)
 
 
-def pull_inputs(ring: torch.Tensor, counter: torch.Tensor, static: torch.Tensor, future_map: torch.Tensor,
-                num_ids: int) -> torch.Tensor:
+def pull_inputs(
+    ring: torch.Tensor, counter: torch.Tensor, static: torch.Tensor, future_map: torch.Tensor, num_ids: int
+) -> torch.Tensor:
     """One launch; capturable. ring: contiguous [R, N] int64 (pinned host memory on CUDA); counter: [2] int64
     on the device (the slot count, then the kernel's own scratch)."""
     r, n = ring.shape
     assert ring.is_contiguous() and static.is_contiguous() and static.numel() == n and counter.numel() == 2
     block = min(_BLOCK, max(16, triton.next_power_of_2(n)))
-    _pull_inputs_kernel[(triton.cdiv(n, block),)](ring, counter, counter[1:], static, future_map, n, num_ids,
-                                                  RING=r, BLOCK=block, num_warps=4)
+    _pull_inputs_kernel[(triton.cdiv(n, block),)](
+        ring, counter, counter[1:], static, future_map, n, num_ids, RING=r, BLOCK=block, num_warps=4
+    )
     return static

@@ -1,5 +1,6 @@
 """Flatten the rows of `req_to_token` a batch uses into one KV-index array (FlashInfer's page table with
 page size 1): out[indptr[i] : indptr[i] + seq_lens[i]] = req_to_token[rows[i], :seq_lens[i]]."""
+
 from __future__ import annotations
 
 import torch
@@ -29,6 +30,7 @@ def _kv_indices_kernel(r2t_ptr, rows_ptr, lens_ptr, indptr_ptr, out_ptr, stride_
 def build_kv_indices(req_to_token, rows, seq_lens, indptr, out) -> torch.Tensor:
     """All device tensors; indptr[i] is where request i's indices start in `out`."""
     if rows.shape[0]:
-        _kv_indices_kernel[(rows.shape[0],)](req_to_token, rows, seq_lens, indptr, out, req_to_token.stride(0),
-                                             BLOCK=512, num_warps=4)
+        _kv_indices_kernel[(rows.shape[0],)](
+            req_to_token, rows, seq_lens, indptr, out, req_to_token.stride(0), BLOCK=512, num_warps=4
+        )
     return out

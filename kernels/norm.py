@@ -1,4 +1,5 @@
 """RMSNorm, and RMSNorm with the residual add fused in (one read of x and residual, one write of each)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,20 @@ def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch
 
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, PDL_TRIGGER: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     if PDL_TRIGGER:  # a kernel launched after this one may start now: it waits for our output before reading it
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -46,10 +59,21 @@ def _launch(x, residual, weight, eps, out):
     n = x.shape[-1]
     block = next_pow2(n)
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
-    _rmsnorm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, out, x.stride(0),
-                                    residual.stride(0) if residual is not None else 0, out.stride(0), n, eps,
-                                    HAS_RESIDUAL=residual is not None, PDL_TRIGGER=pdl_enabled(x.device), BLOCK=block,
-                                    num_warps=warps)
+    _rmsnorm_kernel[(x.shape[0],)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        n,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        PDL_TRIGGER=pdl_enabled(x.device),
+        BLOCK=block,
+        num_warps=warps,
+    )
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,6 +5,7 @@ its value heads straight into the pool at the token's KV slot, so K and V never 
 memory between the projection and the cache. Optionally applies Qwen3's per-head RMSNorm to q and k first.
 Every rope scaling we support (default, linear, llama3) lives in the cos/sin table, so one kernel serves all.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def _head_rmsnorm_ref(x, weight, eps):
     return weight * h.to(x.dtype)
 
 
-def rope_and_store_ref(positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_weight=None,
-                       k_norm_weight=None, eps: float = 1e-6) -> torch.Tensor:
+def rope_and_store_ref(
+    positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6
+) -> torch.Tensor:
     """Returns the rotated q [T, H, D]; writes rotated k and v into k_cache/v_cache [slots, KVH, D] at `loc`."""
     if q_norm_weight is not None:
         q, k = _head_rmsnorm_ref(q, q_norm_weight, eps), _head_rmsnorm_ref(k, k_norm_weight, eps)
@@ -43,8 +45,19 @@ def rope_and_store_ref(positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_nor
 
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit
-def _rope_heads(x_ptr, stride_h, n_heads, cos, sin, nw_ptr, eps, HALF: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rope_heads(
+    x_ptr,
+    stride_h,
+    n_heads,
+    cos,
+    sin,
+    nw_ptr,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     """Loads [n_heads, 2 * HALF] at x_ptr, returns the two rotated halves in float32."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
@@ -65,12 +78,40 @@ def _rope_heads(x_ptr, stride_h, n_heads, cos, sin, nw_ptr, eps, HALF: tl.conste
 
 
 @triton.jit
-def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_ptr, loc_ptr, qn_ptr, kn_ptr,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-                       stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                       n_heads, n_kv_heads, eps,
-                       HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_KVH: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rope_store_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cs_ptr,
+    qo_ptr,
+    kc_ptr,
+    vc_ptr,
+    loc_ptr,
+    qn_ptr,
+    kn_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_qot,
+    stride_qoh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    n_heads,
+    n_kv_heads,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -78,15 +119,17 @@ def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_
     cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d < HALF, other=0.0)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d < HALF, other=0.0)
 
-    q1, q2, _, qmask = _rope_heads(q_ptr + t * stride_qt, stride_qh, n_heads, cos, sin, qn_ptr, eps,
-                                   HALF, BLOCK_H, BLOCK_HALF, HAS_NORM)
+    q1, q2, _, qmask = _rope_heads(
+        q_ptr + t * stride_qt, stride_qh, n_heads, cos, sin, qn_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, HAS_NORM
+    )
     hq = tl.arange(0, BLOCK_H)
     qo = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + d[None, :]
     tl.store(qo, q1.to(qo_ptr.dtype.element_ty), mask=qmask)
     tl.store(qo + HALF, q2.to(qo_ptr.dtype.element_ty), mask=qmask)
 
-    k1, k2, _, kmask = _rope_heads(k_ptr + t * stride_kt, stride_kh, n_kv_heads, cos, sin, kn_ptr, eps,
-                                   HALF, BLOCK_KVH, BLOCK_HALF, HAS_NORM)
+    k1, k2, _, kmask = _rope_heads(
+        k_ptr + t * stride_kt, stride_kh, n_kv_heads, cos, sin, kn_ptr, eps, HALF, BLOCK_KVH, BLOCK_HALF, HAS_NORM
+    )
     hk = tl.arange(0, BLOCK_KVH)
     kc = kc_ptr + slot * stride_kcs + hk[:, None] * stride_kch + d[None, :]
     tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kmask)
@@ -100,8 +143,9 @@ def _rope_store_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, qo_ptr, kc_ptr, vc_
     tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kmask)
 
 
-def rope_and_store(positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_weight=None, k_norm_weight=None,
-                   eps: float = 1e-6) -> torch.Tensor:
+def rope_and_store(
+    positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6
+) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (strided views of the qkv projection are fine); cos_sin: [P, D] float32
     (cos | sin halves); k_cache/v_cache: [slots, KVH, D]; loc: [T] KV slots. Returns rotated q, contiguous."""
     t, h, d = q.shape
@@ -112,10 +156,38 @@ def rope_and_store(positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_we
     has_norm = q_norm_weight is not None
     kvh = k.shape[1]
     _rope_store_kernel[(t,)](
-        positions, q, k, v, cos_sin, q_out, k_cache, v_cache, loc,
-        q_norm_weight if has_norm else cos_sin, k_norm_weight if has_norm else cos_sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
-        q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        h, kvh, eps, HALF=d // 2, BLOCK_HALF=next_pow2(d // 2), BLOCK_H=next_pow2(h), BLOCK_KVH=next_pow2(kvh),
-        HAS_NORM=has_norm, num_warps=4)
+        positions,
+        q,
+        k,
+        v,
+        cos_sin,
+        q_out,
+        k_cache,
+        v_cache,
+        loc,
+        q_norm_weight if has_norm else cos_sin,
+        k_norm_weight if has_norm else cos_sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        h,
+        kvh,
+        eps,
+        HALF=d // 2,
+        BLOCK_HALF=next_pow2(d // 2),
+        BLOCK_H=next_pow2(h),
+        BLOCK_KVH=next_pow2(kvh),
+        HAS_NORM=has_norm,
+        num_warps=4,
+    )
     return q_out

@@ -4,6 +4,7 @@ Programs build their prompt a piece at a time (`user_begin()`, text, `gen`, `use
 Jinja chat template is turned into a prefix and a suffix per role by rendering a marker as the content.
 Rendered with the same sandboxed Jinja settings transformers uses, so the text matches the chat route's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,7 @@ def render(template: str, messages: list[dict], add_generation_prompt: bool = Fa
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **special)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
 
 def role_markers(template: str | None, **special) -> RoleMarkers:
@@ -47,12 +47,11 @@ def role_markers(template: str | None, **special) -> RoleMarkers:
         if role == "system":
             full = render(template, [{"role": "system", "content": _MARK}], **special)
         else:
-            full = render(template, [{"role": "system", "content": "x"}, {"role": role, "content": _MARK}],
-                          **special)
+            full = render(template, [{"role": "system", "content": "x"}, {"role": role, "content": _MARK}], **special)
             if not full.startswith(base):  # a template that renders earlier turns differently: no system
                 full = render(template, [{"role": role, "content": _MARK}], **special)
             else:
-                full = full[len(base):]
+                full = full[len(base) :]
         before, _, after = full.partition(_MARK)
         prefix[role], suffix[role] = before, after
     return RoleMarkers(prefix, suffix)

@@ -3,6 +3,7 @@
 Each choice arrives as the logprobs of its own tokens given the prompt (and, for the unconditional method,
 given no prompt); a method returns the index of the choice it picks and the per-choice scores.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,9 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("-inf")
 
 
-def pick(method: ChoicesMethod, cond: list[list[float]], uncond: list[list[float]] | None = None
-         ) -> tuple[int, list[float]]:
+def pick(
+    method: ChoicesMethod, cond: list[list[float]], uncond: list[list[float]] | None = None
+) -> tuple[int, list[float]]:
     if method.name == "token_length_normalized":
         scores = [_mean(lps) for lps in cond]
     elif method.name == "unconditional_likelihood_normalized":

@@ -1,4 +1,5 @@
 """The branches of `state.fork(n)`, and how they come back (`join`)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,10 @@ class ForkGroup(list):
                 b += item(i)
         elif isinstance(item, (list, tuple)):
             if len(item) != len(self):
-                raise LangError(f"forks += a list of {len(item)} items for {len(self)} branches (one item per "
-                                "branch; to append the same items to every branch, join them with +)")
+                raise LangError(
+                    f"forks += a list of {len(item)} items for {len(self)} branches (one item per "
+                    "branch; to append the same items to every branch, join them with +)"
+                )
             for b, x in zip(self, item):
                 b += x
         else:
@@ -57,4 +60,4 @@ class _Join:
             for n in sorted(names):
                 parent._vars[n] = [b._vars.get(n) for b in self.branches]
         else:
-            fill("".join(b._text[b._fork_pos:] for b in self.branches))
+            fill("".join(b._text[b._fork_pos :] for b in self.branches))

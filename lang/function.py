@@ -5,6 +5,7 @@
 (`min_new_tokens`, `repetition_penalty`, `seed`); every other keyword is an argument of the program, checked
 against its signature before anything runs.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -45,8 +46,9 @@ class SglFunction:
         self._sig = inspect.signature(func)
         params = list(self._sig.parameters.values())
         if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY, *_KEYWORD):
-            raise LangError(f"program {self.__name__} must take the state as its first argument: def "
-                            f"{self.__name__}(s, ...)")
+            raise LangError(
+                f"program {self.__name__} must take the state as its first argument: def {self.__name__}(s, ...)"
+            )
         self._params = params[1:]
         self.arg_names = [p.name for p in self._params if p.kind in _KEYWORD or p.kind == p.POSITIONAL_ONLY]
         self.arg_defaults = [p.default for p in self._params if p.default is not p.empty]
@@ -68,16 +70,19 @@ class SglFunction:
         named = {p.name for p in self._params if p.kind in _KEYWORD}
         unknown = [k for k in kwargs if k not in named]
         if unknown and not takes_any:
-            raise TypeError(f"{self.__name__}.run() got an unexpected keyword argument {unknown[0]!r}: it is neither "
-                            f"an option of run() nor an argument of the program {self._describe()}")
+            raise TypeError(
+                f"{self.__name__}.run() got an unexpected keyword argument {unknown[0]!r}: it is neither "
+                f"an option of run() nor an argument of the program {self._describe()}"
+            )
         try:
             (self._sig.bind_partial if partial else self._sig.bind)(None, *args, **kwargs)
         except TypeError as e:
             raise TypeError(f"{self.__name__}.run(): {e} (the program is {self._describe()})") from None
 
     def _state(self, backend: Backend, defaults: dict, stream: bool = False, use_thread: bool = True):
-        return ProgramState(backend, defaults, stream=stream, use_thread=use_thread,
-                            num_api_spec_tokens=self.num_api_spec_tokens)
+        return ProgramState(
+            backend, defaults, stream=stream, use_thread=use_thread, num_api_spec_tokens=self.num_api_spec_tokens
+        )
 
     def _execute(self, state: ProgramState, args, kwargs) -> None:
         try:
@@ -91,23 +96,56 @@ class SglFunction:
             if global_config.verbosity >= 2 and state.error is None:
                 print(state._text)
 
-    def run(self, *args, max_new_tokens: int | None = 128, n: int | None = None, stop=None, stop_token_ids=None,
-            stop_regex=None, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-            min_p: float | None = None, frequency_penalty: float | None = None,
-            presence_penalty: float | None = None, ignore_eos: bool | None = None, return_logprob: bool | None = None,
-            logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
-            return_text_in_logprobs: bool | None = None, stream: bool = False, backend=None, use_thread: bool = True,
-            min_new_tokens: int | None = None, repetition_penalty: float | None = None, seed: int | None = None,
-            **kwargs) -> ProgramState:
+    def run(
+        self,
+        *args,
+        max_new_tokens: int | None = 128,
+        n: int | None = None,
+        stop=None,
+        stop_token_ids=None,
+        stop_regex=None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        ignore_eos: bool | None = None,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+        stream: bool = False,
+        backend=None,
+        use_thread: bool = True,
+        min_new_tokens: int | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        **kwargs,
+    ) -> ProgramState:
         """Run the program once. The sampling keywords are defaults for each of its gens (a gen's own settings
         win); with stream=True it returns at once, to be followed with `state.text_iter()`."""
-        defaults = _defaults(max_new_tokens=max_new_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids,
-                             stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                             ignore_eos=ignore_eos, return_logprob=return_logprob,
-                             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                             return_text_in_logprobs=return_text_in_logprobs, min_new_tokens=min_new_tokens,
-                             repetition_penalty=repetition_penalty, seed=seed)
+        defaults = _defaults(
+            max_new_tokens=max_new_tokens,
+            n=n,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            stop_regex=stop_regex,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            ignore_eos=ignore_eos,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+            min_new_tokens=min_new_tokens,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+        )
         kwargs = {**self.bind_arguments, **kwargs}
         self._check_args(args, kwargs)
         state = self._state(as_backend(backend), defaults, stream, use_thread)
@@ -119,28 +157,61 @@ class SglFunction:
             raise state.error
         return state
 
-    def run_batch(self, batch_kwargs, *, max_new_tokens: int | None = 128, n: int | None = None, stop=None,
-                  stop_token_ids=None, stop_regex=None, temperature: float | None = None, top_p: float | None = None,
-                  top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
-                  presence_penalty: float | None = None, ignore_eos: bool | None = None,
-                  return_logprob: bool | None = None, logprob_start_len: int | None = None,
-                  top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None, backend=None,
-                  num_threads="auto", progress_bar: bool = False, generator_style: bool = False,
-                  min_new_tokens: int | None = None, repetition_penalty: float | None = None,
-                  seed: int | None = None) -> list[ProgramState] | Iterator[ProgramState]:
+    def run_batch(
+        self,
+        batch_kwargs,
+        *,
+        max_new_tokens: int | None = 128,
+        n: int | None = None,
+        stop=None,
+        stop_token_ids=None,
+        stop_regex=None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        ignore_eos: bool | None = None,
+        return_logprob: bool | None = None,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None,
+        backend=None,
+        num_threads="auto",
+        progress_bar: bool = False,
+        generator_style: bool = False,
+        min_new_tokens: int | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+    ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run the program once per entry (a dict of arguments, or a tuple of them in order), concurrently. A
         program that fails has its error on its state (`state.error`); the others are unaffected. With
         generator_style=True the states come one by one, in order, as they finish."""
         if not isinstance(batch_kwargs, (list, tuple)):
             raise LangError("run_batch takes a list of dicts (or tuples) of program arguments")
         batch = [self._batch_entry(i, entry) for i, entry in enumerate(batch_kwargs)]
-        defaults = _defaults(max_new_tokens=max_new_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids,
-                             stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                             ignore_eos=ignore_eos, return_logprob=return_logprob,
-                             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                             return_text_in_logprobs=return_text_in_logprobs, min_new_tokens=min_new_tokens,
-                             repetition_penalty=repetition_penalty, seed=seed)
+        defaults = _defaults(
+            max_new_tokens=max_new_tokens,
+            n=n,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            stop_regex=stop_regex,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            ignore_eos=ignore_eos,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+            min_new_tokens=min_new_tokens,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+        )
         be = as_backend(backend)
         if num_threads == "auto":
             num_threads = min(64, 4 * (os.cpu_count() or 1))

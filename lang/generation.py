@@ -4,6 +4,7 @@
 and closed at the first match (the backend then ends the request), and the text keeps what came before the match,
 as a stop string is cut off.
 """
+
 from __future__ import annotations
 
 import re
@@ -56,7 +57,7 @@ def run_gen(backend: Backend, call: Call, stream: bool, emit: Callable[[str], No
 
 def _cut(text: str, patterns: list[re.Pattern]) -> tuple[str, re.Match | None]:
     m = first_match(text, patterns)
-    return (text if m is None else text[:m.start()]), m
+    return (text if m is None else text[: m.start()]), m
 
 
 def _until_regex(backend: Backend, call: Call, patterns: list[re.Pattern], emit) -> tuple[str, dict]:
@@ -77,6 +78,6 @@ def _until_regex(backend: Backend, call: Call, patterns: list[re.Pattern], emit)
     if match is None:
         emit(text)
         return text, (result.meta if result else {})
-    value = text[:match.start()]
+    value = text[: match.start()]
     emit(value)
     return value, {"finish_reason": {"type": "stop", "matched": match.group(0)}}

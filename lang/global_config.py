@@ -3,6 +3,7 @@
 The one piece of process-wide state the language keeps, because SGLang's API is built on it
 (`set_default_backend`, `global_config.default_backend.token_usage`); everything else is passed explicitly.
 """
+
 from __future__ import annotations
 
 from radixlm.lang.backend.base import Backend, LangError

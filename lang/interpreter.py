@@ -6,6 +6,7 @@ batch together and share the prefix through the radix cache). Reading a result (
 waits for the items before it. The first failure stops the state's later items and is raised by the next
 read (and recorded on the state by `run_batch`). With `run(use_thread=False)` items run as they are appended.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,14 +18,19 @@ from contextlib import contextmanager
 from radixlm.lang.backend.base import Backend, Call, LangError
 from radixlm.lang.fork import ForkGroup, _Join
 from radixlm.lang.generation import run_gen
-from radixlm.lang.ir import (Gen, Image, Role, RoleBegin, RoleEnd, Select, Seq, VarScopeBegin, VarScopeEnd,
-                             resolve_dtype)
+from radixlm.lang.ir import Gen, Image, Role, RoleBegin, RoleEnd, Select, Seq, VarScopeBegin, VarScopeEnd, resolve_dtype
 from radixlm.lang.speculative import ChatTurnSpeculation, CompletionSpeculation, Term, speculable
 
 
 class ProgramState:
-    def __init__(self, backend: Backend, defaults: dict | None = None, stream: bool = False,
-                 use_thread: bool = True, num_api_spec_tokens: int | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        defaults: dict | None = None,
+        stream: bool = False,
+        use_thread: bool = True,
+        num_api_spec_tokens: int | None = None,
+    ):
         self.backend = backend
         self.defaults = dict(defaults or {})
         self.stream = stream
@@ -38,8 +44,9 @@ class ProgramState:
         self._role_start = 0
         self._scopes: dict[str, int] = {}  # open var_scope name -> where its text starts
         self._spec_tokens = num_api_spec_tokens
-        self._spec = (CompletionSpeculation(num_api_spec_tokens)
-                      if num_api_spec_tokens and not backend.is_chat_model else None)
+        self._spec = (
+            CompletionSpeculation(num_api_spec_tokens) if num_api_spec_tokens and not backend.is_chat_model else None
+        )
         self._turn: ChatTurnSpeculation | None = None  # an assistant turn being recorded (chat speculation)
         self._fork_pos = 0  # for a branch: where its own text starts
         self._forked_vars: frozenset = frozenset()  # for a branch: the variables it was forked with
@@ -77,7 +84,7 @@ class ProgramState:
         elif isinstance(item, (int, float)):
             self._fill(str(item))
         elif isinstance(item, (Seq, list, tuple)):
-            for x in (item.items if isinstance(item, Seq) else item):
+            for x in item.items if isinstance(item, Seq) else item:
                 self._exec(x)
         elif isinstance(item, Gen):
             self._gen(item)
@@ -94,15 +101,17 @@ class ProgramState:
         elif isinstance(item, VarScopeBegin):
             self._scopes[item.name] = len(self._text)
         elif isinstance(item, VarScopeEnd):
-            self._vars[item.name] = self._text[self._scopes.pop(item.name):]
+            self._vars[item.name] = self._text[self._scopes.pop(item.name) :]
         elif isinstance(item, _Join):
             item.run(self, self._fill)
         elif isinstance(item, Image):
-            raise LangError(f"image({item.path!r}): the model behind this backend has no vision; radixlm serves "
-                            "text-only models")
+            raise LangError(
+                f"image({item.path!r}): the model behind this backend has no vision; radixlm serves text-only models"
+            )
         else:
-            raise LangError(f"cannot append a {type(item).__name__} to a program state (append str, gen, select, "
-                            "roles)")
+            raise LangError(
+                f"cannot append a {type(item).__name__} to a program state (append str, gen, select, roles)"
+            )
 
     def _fill(self, text: str) -> None:
         """Fixed text from the program."""
@@ -140,11 +149,14 @@ class ProgramState:
 
     def _end(self, role: str) -> None:
         if self._role != role:
-            raise LangError(f"{role}_end() without {role}_begin()" if self._role is None else
-                            f"{role}_end() inside an open {self._role} block")
+            raise LangError(
+                f"{role}_end() without {role}_begin()"
+                if self._role is None
+                else f"{role}_end() inside an open {self._role} block"
+            )
         if self._turn is not None:
             self._finish_turn()
-        content = self._text[self._role_start:]
+        content = self._text[self._role_start :]
         suffix = self._markers().suffix[role]
         if self._spec is not None:
             self._spec.observe(suffix)
@@ -169,7 +181,7 @@ class ProgramState:
                 self._meta[name] = {**res.meta, "speculative": True}
 
     def _call(self, params: dict) -> Call:
-        role_text = self._text[self._role_start:] if self._role else ""
+        role_text = self._text[self._role_start :] if self._role else ""
         return Call(self._text, params, list(self._messages), self._role, role_text)
 
     # --- primitives ----------------------------------------------------------------------------------------
@@ -193,8 +205,11 @@ class ProgramState:
             self._meta[g.name] = meta
 
     def _select(self, sel: Select) -> None:
-        if not isinstance(sel.choices, (list, tuple)) or not sel.choices or \
-                not all(isinstance(c, str) for c in sel.choices):
+        if (
+            not isinstance(sel.choices, (list, tuple))
+            or not sel.choices
+            or not all(isinstance(c, str) for c in sel.choices)
+        ):
             raise LangError(f"select({sel.name!r}) needs a non-empty list of strings as choices")
         if self._turn is not None:
             self._turn.terms.append(Term(gen=sel))
@@ -221,8 +236,10 @@ class ProgramState:
         self.sync()
         if name not in self._vars:
             if self._turn is not None and self._turn.pending(name):
-                raise LangError(f"{name!r} is generated with the whole assistant turn (num_api_spec_tokens): read it "
-                                "after the turn ends")
+                raise LangError(
+                    f"{name!r} is generated with the whole assistant turn (num_api_spec_tokens): read it "
+                    "after the turn ends"
+                )
             have = ", ".join(sorted(self._vars)) or "none yet"
             raise LangError(f"the program has no variable {name!r} (variables: {have})")
         return self._vars[name]

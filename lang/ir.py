@@ -3,6 +3,7 @@
 These are plain values; the interpreter (`interpreter.py`) gives them meaning. `"text" + gen(...)` builds a
 `Seq`, so SGLang-style one-liners such as `s += "Q: " + q + "\\nA:" + gen("a")` work.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -42,6 +43,7 @@ class Seq(Expr):
 @dataclass(frozen=True)
 class ChoicesMethod:
     """How `select` turns each choice's token logprobs into a score (see choices.py)."""
+
     name: str
 
 
@@ -51,10 +53,30 @@ unconditional_likelihood_normalized = ChoicesMethod("unconditional_likelihood_no
 
 # gen(...) argument -> native sampling parameter
 _PARAM_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
-_PARAM_KEYS = ("max_tokens", "min_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-               "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "seed",
-               "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "dtype", "regex",
-               "json_schema")
+_PARAM_KEYS = (
+    "max_tokens",
+    "min_tokens",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "seed",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "dtype",
+    "regex",
+    "json_schema",
+)
 
 
 @dataclass
@@ -142,6 +164,7 @@ class RoleEnd(Expr):
 @dataclass
 class Role(Expr):
     """`system(...)`, `user(...)`, `assistant(...)`: a whole turn; the content may hold primitives."""
+
     role: str
     content: list = field(default_factory=list)
 

@@ -12,6 +12,7 @@ text must appear in order, a gen ends at its first stop string, else where the n
 that does not fit is asked for again (when sampling); after that the turn runs piece by piece, as without
 speculation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -52,7 +53,7 @@ class CompletionSpeculation:
         """`text` joined the program by other means (fixed text, a select): where the model wrote it too, the
         speculation goes on after it."""
         if text:
-            self.buffer = self.buffer[len(text):] if self.buffer.startswith(text) else ""
+            self.buffer = self.buffer[len(text) :] if self.buffer.startswith(text) else ""
 
     def reset(self) -> None:
         self.buffer = ""
@@ -112,12 +113,12 @@ def split_turn(answer: str, terms: list[Term]) -> list[str] | None:
             pos += len(term.text)
             continue
         rest = answer[pos:]
-        nxt = next((t.text for t in terms[i + 1:] if t.text is not None), None)
+        nxt = next((t.text for t in terms[i + 1 :] if t.text is not None), None)
         end = _earliest(rest, _stops(term.params.get("stop")))
         if end is None and nxt:
             end = _earliest(rest, [nxt])
         if end is None:
-            if any(t.text is None for t in terms[i + 1:]) or nxt:
+            if any(t.text is None for t in terms[i + 1 :]) or nxt:
                 return None  # later gens or fixed text have nothing left to come from
             end = len(rest)
         out.append(rest[:end])

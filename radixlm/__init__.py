@@ -3,6 +3,7 @@
 Public API only; the rooms live in radixlm.srt (serving runtime), radixlm.lang (frontend DSL) and
 radixlm.kernels (GPU kernels).
 """
+
 from __future__ import annotations
 
 import os as _os
@@ -19,11 +20,39 @@ from radixlm.srt.cpu_threads import set_wait_policy_default as _set_wait_policy_
 
 _set_wait_policy_default()
 
-_LANG = ("Backend", "EngineBackend", "LangError", "OpenAI", "ProgramState", "Runtime", "RuntimeEndpoint",
-         "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
-         "get_default_backend", "get_server_info", "global_config", "greedy_token_selection", "image", "select",
-         "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
-         "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video")
+_LANG = (
+    "Backend",
+    "EngineBackend",
+    "LangError",
+    "OpenAI",
+    "ProgramState",
+    "Runtime",
+    "RuntimeEndpoint",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
+    "flush_cache",
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "get_default_backend",
+    "get_server_info",
+    "global_config",
+    "greedy_token_selection",
+    "image",
+    "select",
+    "set_default_backend",
+    "system",
+    "system_begin",
+    "system_end",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
+    "user",
+    "user_begin",
+    "user_end",
+    "video",
+)
 __all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__", *_LANG]
 
 

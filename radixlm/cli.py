@@ -1,4 +1,5 @@
 """The `radixlm` command: `radixlm generate PROMPT` (and, with the server, `radixlm serve`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,12 @@ def _generate(argv: list[str]) -> int:
     server_args = ServerArgs.from_cli_args(args)
     kwargs = {k: v for k, v in vars(server_args).items() if k != "model_path"}
     engine = Engine(server_args.model_path, **kwargs)
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "seed": args.seed}
+    params = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
     try:
         if args.raw:
             stream = engine.generate(args.prompt, params, stream=True)
@@ -53,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"generate": _generate, "serve": _serve}
     if not argv or argv[0] not in commands:
-        print("usage: radixlm {serve,generate} ...\n"
-              "  serve             start the OpenAI-compatible HTTP server (see `radixlm serve --help`)\n"
-              "  generate PROMPT   answer one prompt (default model: the embedded SmolLM2-135M-Instruct)",
-              file=sys.stderr)
+        print(
+            "usage: radixlm {serve,generate} ...\n"
+            "  serve             start the OpenAI-compatible HTTP server (see `radixlm serve --help`)\n"
+            "  generate PROMPT   answer one prompt (default model: the embedded SmolLM2-135M-Instruct)",
+            file=sys.stderr,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

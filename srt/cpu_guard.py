@@ -2,12 +2,14 @@
 
 On some virtual machines one or two CPUs lose a large share of their time to interrupts and softirqs (network
 and block devices are often bound to CPU 0 or 1). The kernel does not count that time as load, so a busy loop
-may well sit there, and then it loses the CPU several milliseconds at a time. `CpuGuard` reads each CPU's interrupt, softirq and steal time from /proc/stat every CHECK_S. When the CPU
-the calling thread runs on lost more than HOT of the last window, it restricts the thread to the CPUs that lost
-less than QUIET (out of those it was allowed at the start). The thresholds are low because the loss comes in
-bursts: a loop on a CPU losing about 10% on average can still stall 5-10 ms at a time, while quiet CPUs lose
-0-1%. This removes one cause of host stalls, not all (benchmarks/results/README.md has the measurements).
+may well sit there, and then it loses the CPU several milliseconds at a time. `CpuGuard` reads each CPU's
+interrupt, softirq and steal time from /proc/stat every CHECK_S. When the CPU the calling thread runs on lost
+more than HOT of the last window, it restricts the thread to the CPUs that lost less than QUIET (out of those it
+was allowed at the start). The thresholds are low because the loss comes in bursts: a loop on a CPU losing about
+10% on average can still stall 5-10 ms at a time, while quiet CPUs lose 0-1%. This removes one cause of host
+stalls, not all; on by default because it lowered the c32 tail where measured (benchmarks/results/README.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +24,7 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_list(spec: str) -> set[int]:
-    """"0-3,8" -> {0, 1, 2, 3, 8} (the kernel's cpulist format); ValueError when malformed."""
+    """ "0-3,8" -> {0, 1, 2, 3, 8} (the kernel's cpulist format); ValueError when malformed."""
     out: set[int] = set()
     for part in spec.split(","):
         lo, dash, hi = part.strip().partition("-")
@@ -73,8 +75,14 @@ class CpuGuard:
     HOT = 0.03  # share of a window lost on the thread's CPU that makes it move
     QUIET = 0.015  # share a CPU may lose and still be one it moves to
 
-    def __init__(self, label: str, read_stat=_read_proc_stat, where=current_cpu,
-                 set_affinity=os.sched_setaffinity, since: dict[int, tuple[int, int]] | None = None):
+    def __init__(
+        self,
+        label: str,
+        read_stat=_read_proc_stat,
+        where=current_cpu,
+        set_affinity=os.sched_setaffinity,
+        since: dict[int, tuple[int, int]] | None = None,
+    ):
         self.label = label
         self._read, self._where, self._set = read_stat, where, set_affinity
         self.allowed = os.sched_getaffinity(0)  # what the operator gave the process (taskset, cgroup)
@@ -92,12 +100,18 @@ class CpuGuard:
             return
         self._due = now + self.CHECK_S
         cur, last = self.sample(), self._last
-        shares = {c: (lost - last[c][0]) / max(total - last[c][1], 1)
-                  for c, (lost, total) in cur.items() if c in last and c in self.allowed}
+        shares = {
+            c: (lost - last[c][0]) / max(total - last[c][1], 1)
+            for c, (lost, total) in cur.items()
+            if c in last and c in self.allowed
+        }
         self._last = cur
         here = self._where()
-        self.last_check = {"cpu": here, "lost": round(shares.get(here, 0.0), 4) if here is not None else None,
-                           "hot_cpus": sorted(c for c, share in shares.items() if share > self.HOT)}
+        self.last_check = {
+            "cpu": here,
+            "lost": round(shares.get(here, 0.0), 4) if here is not None else None,
+            "hot_cpus": sorted(c for c, share in shares.items() if share > self.HOT),
+        }
         if here is None or shares.get(here, 0.0) <= self.HOT:
             return
         window = (cur[here][1] - last[here][1]) / _TICKS_PER_S
@@ -106,13 +120,22 @@ class CpuGuard:
             return
         self._set(0, quiet)  # 0: the calling thread (the loop's), not the process's other threads
         self.moves.append((here, round(shares[here], 3), quiet))
-        logger.info("%s moved off CPU %d (%.1f%% of the last %.0f s went to interrupts, softirqs or the "
-                    "hypervisor) to CPUs %s", self.label, here, 100 * shares[here], window, _ranges(quiet))
+        logger.info(
+            "%s moved off CPU %d (%.1f%% of the last %.0f s went to interrupts, softirqs or the hypervisor) to CPUs %s",
+            self.label,
+            here,
+            100 * shares[here],
+            window,
+            _ranges(quiet),
+        )
 
     def state(self) -> dict:
         """For /get_server_info: where the loop is allowed and was last seen, and every move so far."""
-        return {"allowed_now": _ranges(sorted(os.sched_getaffinity(0))), **self.last_check,
-                "moves": [{"from": c, "lost": share, "to": _ranges(to)} for c, share, to in self.moves]}
+        return {
+            "allowed_now": _ranges(sorted(os.sched_getaffinity(0))),
+            **self.last_check,
+            "moves": [{"from": c, "lost": share, "to": _ranges(to)} for c, share, to in self.moves],
+        }
 
     async def run_in_loop(self) -> None:
         """An asyncio task that ticks every CHECK_S (an event loop has no step to tick from)."""

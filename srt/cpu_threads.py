@@ -6,6 +6,7 @@ quota-limited CPU the spinning threads take the time slices the working ones nee
 takes milliseconds alone takes seconds. So the thread count comes from the CPUs this process may really use,
 and waiting threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the operator's environment says otherwise.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,10 @@ def configure_cpu_forward() -> str:
 
     policy = env.OMP_WAIT_POLICY.get() or "default (spin, then sleep)"
     if _late:
-        policy = ("default (spin, then sleep): torch was imported before radixlm; set OMP_WAIT_POLICY=PASSIVE "
-                  "before it for a shared CPU")
+        policy = (
+            "default (spin, then sleep): torch was imported before radixlm; set OMP_WAIT_POLICY=PASSIVE "
+            "before it for a shared CPU"
+        )
     if env.OMP_NUM_THREADS.is_set():
         return f"{torch.get_num_threads()} threads (OMP_NUM_THREADS), wait policy {policy}"
     n = usable_cpus()

@@ -6,6 +6,7 @@ any flag is parsed (where the cache lives, what OpenMP does when torch loads), f
 compiler, OpenMP). Read them through these objects, never with os.environ directly: `python -m radixlm.srt.env`
 lists them with their current values.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,26 +44,57 @@ class EnvVar(Generic[T]):
 
 
 # --- radixlm's own ----------------------------------------------------------------------------------------------
-CACHE_DIR = EnvVar("RADIXLM_CACHE_DIR", "", str, "where the embedded model and the compiled CPU kernels are "
-                   "cached (default ~/.cache/radixlm)")
-STEP_TRACE = EnvVar("RADIXLM_STEP_TRACE", "", str, "a file (or a directory: one file per scheduler process) "
-                    "that gets one JSON line per scheduler step (srt/diagnostics/step_trace.py); off when empty")
-PDL = EnvVar("RADIXLM_PDL", True, _flag, "programmatic dependent launch for our Triton kernels on Hopper "
-             "(a kernel starts while the one before it finishes); 0 turns it off, e.g. to rule it out of a bug")
+CACHE_DIR = EnvVar(
+    "RADIXLM_CACHE_DIR",
+    "",
+    str,
+    "where the embedded model and the compiled CPU kernels are cached (default ~/.cache/radixlm)",
+)
+STEP_TRACE = EnvVar(
+    "RADIXLM_STEP_TRACE",
+    "",
+    str,
+    "a file (or a directory: one file per scheduler process) "
+    "that gets one JSON line per scheduler step (srt/diagnostics/step_trace.py); off when empty",
+)
+PDL = EnvVar(
+    "RADIXLM_PDL",
+    True,
+    _flag,
+    "programmatic dependent launch for our Triton kernels on Hopper "
+    "(a kernel starts while the one before it finishes); 0 turns it off, e.g. to rule it out of a bug",
+)
 
 # --- external tools' variables that we read or set --------------------------------------------------------------
-TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", False, _flag, "run Triton kernels in Triton's interpreter on the "
-                          "CPU (how CI tests them)")
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET", False, _flag, "run Triton kernels in Triton's interpreter on the CPU (how CI tests them)"
+)
 CC = EnvVar("CC", "", str, "the C compiler for the CPU kernels (default gcc, else cc)")
-OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", "", str, "threads of a CPU forward; unset, we use the CPUs this "
-                         "process may use (affinity and cgroup quota)")
-OMP_WAIT_POLICY = EnvVar("OMP_WAIT_POLICY", "", str, "how idle OpenMP threads wait; unset (and GOMP_SPINCOUNT "
-                         "unset), we set PASSIVE before torch loads, so a shared CPU does not collapse")
-GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "", str, "GNU OpenMP's spin count; when set, we leave OMP_WAIT_POLICY "
-                        "alone")
+OMP_NUM_THREADS = EnvVar(
+    "OMP_NUM_THREADS",
+    "",
+    str,
+    "threads of a CPU forward; unset, we use the CPUs this process may use (affinity and cgroup quota)",
+)
+OMP_WAIT_POLICY = EnvVar(
+    "OMP_WAIT_POLICY",
+    "",
+    str,
+    "how idle OpenMP threads wait; unset (and GOMP_SPINCOUNT "
+    "unset), we set PASSIVE before torch loads, so a shared CPU does not collapse",
+)
+GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "", str, "GNU OpenMP's spin count; when set, we leave OMP_WAIT_POLICY alone")
 
-ALL: tuple[EnvVar, ...] = (CACHE_DIR, STEP_TRACE, PDL, TRITON_INTERPRET, CC, OMP_NUM_THREADS, OMP_WAIT_POLICY,
-                           GOMP_SPINCOUNT)
+ALL: tuple[EnvVar, ...] = (
+    CACHE_DIR,
+    STEP_TRACE,
+    PDL,
+    TRITON_INTERPRET,
+    CC,
+    OMP_NUM_THREADS,
+    OMP_WAIT_POLICY,
+    GOMP_SPINCOUNT,
+)
 
 if __name__ == "__main__":
     for var in ALL:

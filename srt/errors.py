@@ -1,4 +1,5 @@
 """Typed errors raised at the edge; the HTTP layer maps each to an OpenAI-shaped 4xx body."""
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,11 +25,15 @@ class Metrics:
             return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
 
         self._http = counter("radixlm_http_requests_total", "HTTP requests by route and status", ("route", "status"))
-        self._finished = counter("radixlm_requests_finished_total", "Finished generation requests by reason",
-                                 ("finish_reason",))
-        self.prompt_tokens = counter("radixlm_prompt_tokens_total", "Prompt tokens of finished requests").labels(**labels)
-        self.cached_tokens = counter("radixlm_cached_prompt_tokens_total",
-                                     "Prompt tokens served from the radix cache").labels(**labels)
+        self._finished = counter(
+            "radixlm_requests_finished_total", "Finished generation requests by reason", ("finish_reason",)
+        )
+        self.prompt_tokens = counter("radixlm_prompt_tokens_total", "Prompt tokens of finished requests").labels(
+            **labels
+        )
+        self.cached_tokens = counter(
+            "radixlm_cached_prompt_tokens_total", "Prompt tokens served from the radix cache"
+        ).labels(**labels)
         self.generation_tokens = counter("radixlm_generation_tokens_total", "Generated tokens").labels(**labels)
         self.ttft = hist("radixlm_time_to_first_token_seconds", "Time to first token")
         self.itl = hist("radixlm_inter_token_latency_seconds", "Time between output tokens")
@@ -39,8 +44,9 @@ class Metrics:
         self.kv_usage = gauge("radixlm_kv_cache_usage_ratio", "KV slots held by running requests / all slots")
         self.kv_cached = gauge("radixlm_kv_cache_cached_tokens", "KV slots held by the radix cache")
         self.hit_rate = gauge("radixlm_cache_hit_rate", "Cached prompt tokens / prompt tokens since start")
-        self.gen_throughput = gauge("radixlm_gen_throughput_tokens_per_second",
-                                    "Generated tokens per busy second of the scheduler")
+        self.gen_throughput = gauge(
+            "radixlm_gen_throughput_tokens_per_second", "Generated tokens per busy second of the scheduler"
+        )
         self._labels = labels
         self._grammar: dict = {}
         r.register(_GrammarCollector(self))
@@ -83,18 +89,33 @@ class _GrammarCollector:
             f.add_metric(values, value)
             return f
 
-        yield family(CounterMetricFamily, "radixlm_grammar_compiles", "Grammar compilations (cache misses)",
-                     g.get("compiles", 0))
-        yield family(CounterMetricFamily, "radixlm_grammar_cache_hits", "Grammar requests served from the cache",
-                     g.get("cache_hits", 0))
-        yield family(CounterMetricFamily, "radixlm_grammar_failures", "Grammar compilations that failed",
-                     g.get("failures", 0))
-        yield family(CounterMetricFamily, "radixlm_grammar_timeouts",
-                     "Requests whose grammar outran --grammar-compile-timeout", g.get("timeouts", 0))
-        yield family(GaugeMetricFamily, "radixlm_grammar_waiting_reqs", "Requests waiting for their grammar",
-                     g.get("waiting", 0))
-        yield family(CounterMetricFamily, "radixlm_jump_forward_tokens", "Tokens appended by jump-forward",
-                     g.get("jump_forward_tokens", 0))
+        yield family(
+            CounterMetricFamily, "radixlm_grammar_compiles", "Grammar compilations (cache misses)", g.get("compiles", 0)
+        )
+        yield family(
+            CounterMetricFamily,
+            "radixlm_grammar_cache_hits",
+            "Grammar requests served from the cache",
+            g.get("cache_hits", 0),
+        )
+        yield family(
+            CounterMetricFamily, "radixlm_grammar_failures", "Grammar compilations that failed", g.get("failures", 0)
+        )
+        yield family(
+            CounterMetricFamily,
+            "radixlm_grammar_timeouts",
+            "Requests whose grammar outran --grammar-compile-timeout",
+            g.get("timeouts", 0),
+        )
+        yield family(
+            GaugeMetricFamily, "radixlm_grammar_waiting_reqs", "Requests waiting for their grammar", g.get("waiting", 0)
+        )
+        yield family(
+            CounterMetricFamily,
+            "radixlm_jump_forward_tokens",
+            "Tokens appended by jump-forward",
+            g.get("jump_forward_tokens", 0),
+        )
         counts = g.get("compile_buckets") or [0] * len(COMPILE_BUCKETS)
         h = HistogramMetricFamily("radixlm_grammar_compile_seconds", "Grammar compile time", labels=names)
         bounds = ["+Inf" if b == float("inf") else str(b) for b in COMPILE_BUCKETS]

@@ -1,4 +1,5 @@
 """One `ServerArgs` dataclass holds every knob; the CLI is generated from its fields."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,81 +23,126 @@ class ServerArgs:
     tokenizer_path: str | None = _opt(None, "tokenizer directory (default: the model's)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models (default: derived from the model path)")
     dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "float16", "bfloat16"))
-    load_format: str = _opt("auto", "auto: read the checkpoint; dummy: random weights from config.json (benchmarks)",
-                            ("auto", "dummy"))
+    load_format: str = _opt(
+        "auto", "auto: read the checkpoint; dummy: random weights from config.json (benchmarks)", ("auto", "dummy")
+    )
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto")
-    quantization: str = _opt("auto", "auto: gguf for a GGUF file with Q4 linears on a CPU with AVX-512 BF16 "
-                             "(our Q4 kernel), else none; none: weights dequantized to --dtype; gguf: keep a "
-                             "GGUF file's Q4_0/Q4_1 linear weights 4-bit in memory (our kernel, else torch's "
-                             "int4 op; CPU only)", QUANTIZATION_METHODS)
+    quantization: str = _opt(
+        "auto",
+        "auto: gguf for a GGUF file with Q4 linears on a CPU our Q4 kernel runs on "
+        "(AVX-512 BF16, or AVX2 with FMA and F16C), else none; none: weights dequantized to "
+        "--dtype; gguf: keep a GGUF file's Q4_0/Q4_1 linear weights 4-bit in memory (our "
+        "kernel, else torch's int4 op; CPU only)",
+        QUANTIZATION_METHODS,
+    )
     context_length: int | None = _opt(None, "override the model's maximum context length")
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(None, "require this bearer key on every route but /health")
-    max_queued_requests: int | None = _opt(None, "answer 503 while this many requests are in flight (default: no limit)")
+    max_queued_requests: int | None = _opt(
+        None, "answer 503 while this many requests are in flight (default: no limit)"
+    )
     max_request_body_mb: float = _opt(8.0, "largest accepted HTTP request body, in MiB (larger: 413)")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     # Memory and scheduling
-    tp_size: int = _opt(1, "tensor parallel size")
     mem_fraction_static: float | None = _opt(None, "GPU: fraction of device memory for weights + KV cache")
     max_total_tokens: int | None = _opt(None, "KV cache size in tokens (default: from memory)")
     max_running_requests: int | None = _opt(None, "most requests decoding at once")
     max_prefill_tokens: int = _opt(16384, "most new prompt tokens in one extend batch")
-    chunked_prefill_size: int | None = _opt(None, "split prompts into chunks of this many tokens (default 8192 GPU, 1024 CPU; -1 off)")
+    chunked_prefill_size: int | None = _opt(
+        None, "split prompts into chunks of this many tokens (default 8192 GPU, 1024 CPU; -1 off)"
+    )
     schedule_policy: str = _opt("lpm", "waiting-queue order", ("lpm", "dfs-weight", "fcfs", "lof", "random"))
     schedule_conservativeness: float = _opt(1.0, "scale of the decode-growth reserve at admission")
     disable_radix_cache: bool = _opt(False, "no prefix sharing across requests")
     stream_interval: int = _opt(1, "send streamed output every N tokens")
     # Backends
-    attention_backend: str = _opt("auto", "attention kernels (auto: flashinfer on CUDA when installed, else "
-                                  "triton on CUDA, else torch_native)", ("auto", *ATTENTION_BACKENDS))
-    flashinfer_prefill_backend: str = _opt("fa2", "FlashInfer prefill kernels: fa2 shares one JIT module with "
-                                           "decode (one compile at first start); fa3 (Hopper) or auto add a "
-                                           "second", ("fa2", "fa3", "auto"))
+    attention_backend: str = _opt(
+        "auto",
+        "attention kernels (auto: flashinfer on CUDA when installed, else triton on CUDA, else torch_native)",
+        ("auto", *ATTENTION_BACKENDS),
+    )
+    flashinfer_prefill_backend: str = _opt(
+        "fa2",
+        "FlashInfer prefill kernels: fa2 shares one JIT module with "
+        "decode (one compile at first start); fa3 (Hopper) or auto add a "
+        "second",
+        ("fa2", "fa3", "auto"),
+    )
     disable_cuda_graph: bool = _opt(False, "run every batch eagerly: no CUDA graphs at all")
-    cuda_graph_max_bs: int | None = _opt(None, "largest decode batch captured in a CUDA graph (default: 256 on "
-                                         "GPUs of 60 GB or more, 160 from 30 GB, else 64)")
-    extend_cuda_graph: str = _opt("auto", "CUDA graphs for prefill and mixed batches: whole (attention inside; "
-                                  "backends whose extend attention needs no host plan: triton), piecewise "
-                                  "(attention eager between graphs; any backend), auto (whole where the backend "
-                                  "can, piecewise for the batches whole graphs have no room for), off",
-                                  ("auto", "whole", "piecewise", "off"))
-    extend_cuda_graph_max_tokens: int = _opt(4096, "largest prefill/mixed batch (tokens) run through extend CUDA "
-                                             "graphs; larger ones run eagerly")
-    disable_overlap_schedule: bool = _opt(False, "schedule the next step only after the current one's tokens "
-                                          "are back on the host")
-    force_overlap_schedule: bool = _opt(False, "overlap scheduling on a CPU device too (it runs on CUDA only "
-                                        "by default, where the forward is asynchronous); for tests")
+    cuda_graph_max_bs: int | None = _opt(
+        None,
+        "largest decode batch captured in a CUDA graph (default: 256 on "
+        "GPUs of 60 GB or more, 160 from 30 GB, else 64)",
+    )
+    extend_cuda_graph: str = _opt(
+        "auto",
+        "CUDA graphs for prefill and mixed batches: whole (attention inside; "
+        "backends whose extend attention needs no host plan: triton), piecewise "
+        "(attention eager between graphs; any backend), auto (whole where the backend "
+        "can, piecewise for the batches whole graphs have no room for), off",
+        ("auto", "whole", "piecewise", "off"),
+    )
+    extend_cuda_graph_max_tokens: int = _opt(
+        4096, "largest prefill/mixed batch (tokens) run through extend CUDA graphs; larger ones run eagerly"
+    )
+    disable_overlap_schedule: bool = _opt(
+        False, "schedule the next step only after the current one's tokens are back on the host"
+    )
+    force_overlap_schedule: bool = _opt(
+        False,
+        "overlap scheduling on a CPU device too (it runs on CUDA only "
+        "by default, where the forward is asynchronous); for tests",
+    )
     enable_mixed_chunk: bool = _opt(False, "let running requests decode in the same batch as a prefill chunk")
-    decode_prefill_budget: int | None = _opt(None, "while requests are decoding, the most prompt tokens one step "
-                                             "takes on, the decodes riding along in the same batch, so that no "
-                                             "stream waits for a whole prompt's prefill (default off; -1 "
-                                             "off; meant for CPUs, where one prompt's prefill is many decode "
-                                             "steps long)")
-    scheduler_cpus: str = _opt("auto", "CPUs the scheduler loop runs on: auto (on CUDA, it and the detokenizer's "
-                               "and HTTP server's loops move off a CPU that loses over 3%% of its time to "
-                               "interrupts, softirqs or the hypervisor, checked every 2 s), none (the kernel "
-                               "places them), or a list such as 2-7,9 (the scheduler pinned there)")
-    grammar_backend: str = _opt("auto", "constrained decoding backend: auto picks, per request, the first of "
-                                "llguidance, xgrammar, outlines that enforces every keyword of its grammar",
-                                ("auto", "llguidance", "xgrammar", "outlines", "none"))
-    grammar_compile_timeout: float = _opt(30.0, "seconds a grammar may take to compile, from when a worker starts "
-                                          "it, before its request fails with a 400 (queued requests fail with a "
-                                          "503 only if no worker comes free for this long)")
-    jump_forward: str = _opt("auto", "append text a grammar forces in one extend instead of sampling it token by "
-                             "token: on, off, or auto (on without overlap scheduling; off with it, the default on "
-                             "CUDA, where every jump costs the request an extend step, which halved JSON-schema "
-                             "throughput at 64 concurrent requests)", ("auto", "on", "off"))
+    decode_prefill_budget: int | None = _opt(
+        None,
+        "while requests are decoding, the most prompt tokens one step "
+        "takes on, the decodes riding along in the same batch, so that no "
+        "stream waits for a whole prompt's prefill (default off; -1 "
+        "off; meant for CPUs, where one prompt's prefill is many decode "
+        "steps long)",
+    )
+    scheduler_cpus: str = _opt(
+        "auto",
+        "CPUs the scheduler loop runs on: auto (on CUDA, it and the detokenizer's "
+        "and HTTP server's loops move off a CPU that loses over 3%% of its time to "
+        "interrupts, softirqs or the hypervisor, checked every 2 s), none (the kernel "
+        "places them), or a list such as 2-7,9 (the scheduler pinned there)",
+    )
+    grammar_backend: str = _opt(
+        "auto",
+        "constrained decoding backend: auto picks, per request, the first of "
+        "llguidance, xgrammar, outlines that enforces every keyword of its grammar",
+        ("auto", "llguidance", "xgrammar", "outlines", "none"),
+    )
+    grammar_compile_timeout: float = _opt(
+        30.0,
+        "seconds a grammar may take to compile, from when a worker starts "
+        "it, before its request fails with a 400 (queued requests fail with a "
+        "503 only if no worker comes free for this long)",
+    )
+    jump_forward: str = _opt(
+        "auto",
+        "append text a grammar forces in one extend instead of sampling it token by "
+        "token: on, off, or auto (on without overlap scheduling; off with it, the default on "
+        "CUDA, where every jump costs the request an extend step, which halved JSON-schema "
+        "throughput at 64 concurrent requests)",
+        ("auto", "on", "off"),
+    )
 
     def __post_init__(self) -> None:
-        if self.tp_size != 1:
-            raise ValueError("tp_size: only 1 is supported so far")
         if self.decode_prefill_budget is not None and self.decode_prefill_budget == 0:
             raise ValueError("decode_prefill_budget must be positive, or -1 for off")
-        for name in ("max_total_tokens", "max_running_requests", "max_queued_requests", "cuda_graph_max_bs",
-                     "extend_cuda_graph_max_tokens"):
+        for name in (
+            "max_total_tokens",
+            "max_running_requests",
+            "max_queued_requests",
+            "cuda_graph_max_bs",
+            "extend_cuda_graph_max_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -114,11 +160,14 @@ class ServerArgs:
             try:
                 cpus = cpu_list(self.scheduler_cpus)
             except ValueError:
-                raise ValueError(f"scheduler_cpus must be auto, none or a CPU list such as 2-7,9, got "
-                                 f"{self.scheduler_cpus!r}") from None
+                raise ValueError(
+                    f"scheduler_cpus must be auto, none or a CPU list such as 2-7,9, got {self.scheduler_cpus!r}"
+                ) from None
             if not cpus <= os.sched_getaffinity(0):
-                raise ValueError(f"scheduler_cpus {self.scheduler_cpus!r} names CPUs this process may not use "
-                                 f"(allowed: {sorted(os.sched_getaffinity(0))})")
+                raise ValueError(
+                    f"scheduler_cpus {self.scheduler_cpus!r} names CPUs this process may not use "
+                    f"(allowed: {sorted(os.sched_getaffinity(0))})"
+                )
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

@@ -1,4 +1,5 @@
 """Small process helpers shared by the server's processes."""
+
 from __future__ import annotations
 
 import ctypes
@@ -10,8 +11,9 @@ from pathlib import Path
 
 
 def configure_logging(level: str, prefix: str = "") -> None:
-    logging.basicConfig(level=level.upper(), format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=level.upper(), format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", force=True
+    )
 
 
 def die_with_parent() -> None:
@@ -44,7 +46,7 @@ def read_proc_stat(path: str) -> tuple[str, list[str]]:
     so it ends at the last ")". fields[0] is the state (stat's field 3), fields[36] the CPU it last ran on
     (field 39). OSError once the process or thread is gone."""
     stat = Path(path).read_text()
-    return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    return stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
 
 
 def parent_alive(parent_pid: int) -> bool:

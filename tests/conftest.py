@@ -9,9 +9,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# On a GPU the exact-output tests run in float32 (RADIXLM_TEST_DTYPE=float32): the embedded 135M model has
-# near-ties (0.08 nats between its two likeliest first answer tokens) that bf16 rounding can flip.
-TEST_DTYPE = os.environ.get("RADIXLM_TEST_DTYPE", "auto")
 
 import radixlm  # noqa: E402,F401 - first, as users import it: OpenMP's passive wait is set before torch loads it
 
@@ -27,10 +24,22 @@ except ImportError:
 @pytest.fixture(scope="session")
 def smol_engine():
     """One SmolLM2 Engine shared by tests that only generate (they must leave it idle and clean)."""
-    import radixlm
 
     # Jump-forward on under overlap scheduling too (the CUDA default), so the grammar tests test it there as well.
-    engine = radixlm.Engine(log_level="warning", max_total_tokens=16384, dtype=TEST_DTYPE, jump_forward="on")
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=16384, jump_forward="on")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def fp32_engine(smol_engine):
+    """The embedded model with fp32 weights and activations (`quantization="none"`), for tests against fp32
+    references: the session's engine where `auto` chose that, else one of its own."""
+
+    if smol_engine.loaded.quantization == "none" and smol_engine.runner.dtype == torch.float32:
+        yield smol_engine
+        return
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=4096, dtype="float32", quantization="none")
     yield engine
     engine.shutdown()
 
@@ -46,9 +55,11 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server():
-    """One launched server (default model) shared by the HTTP test files; must shut down cleanly."""
+    """One launched server (default model, fp32: the frontend-language tests compare its answers with the fp32
+    engine's) shared by the HTTP test files; must shut down cleanly. The overlap servers of test_server_api run
+    the default quantization."""
     from tests.helpers import ServerProcess
 
-    srv = ServerProcess("--max-total-tokens", "20000")
+    srv = ServerProcess("--max-total-tokens", "20000", "--quantization", "none")
     yield srv
     assert srv.stop() == 0

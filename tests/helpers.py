@@ -1,4 +1,5 @@
 """Shared test utilities: tiny random HF checkpoints and direct model forwards."""
+
 from __future__ import annotations
 
 import os
@@ -27,17 +28,37 @@ def smollm_tokenizer():
     return GGUFCheckpoint(default_model_path()).load_tokenizer()
 
 
-def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool = False, dtype=torch.float32, seed: int = 0,
-                         rope_scaling: dict | None = None, vocab_size: int | None = None, shards: int = 1,
-                         tokenizer=None, **sizes) -> Path:
+def make_tiny_checkpoint(
+    path: Path,
+    arch: str,
+    *,
+    tie: bool = False,
+    dtype=torch.float32,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+    vocab_size: int | None = None,
+    shards: int = 1,
+    tokenizer=None,
+    **sizes,
+) -> Path:
     """A small random model saved with transformers' own save_pretrained, with the SmolLM2 tokenizer."""
     import transformers
 
     tok = tokenizer or smollm_tokenizer()
     vocab = vocab_size or len(tok)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
     common.update(sizes)  # e.g. hidden_size / num_attention_heads / head_dim for GPU-kernel-sized heads
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common)
@@ -80,10 +101,18 @@ def forward_logits(engine, ids: list[int], split: int | None = None) -> torch.Te
     out = []
     try:
         for start, end in pieces:
-            fb = ForwardBatch.build(ForwardMode.EXTEND, runner.device, input_ids=ids[start:end],
-                                    positions=list(range(start, end)), req_pool_indices=[row], seq_lens=[end],
-                                    out_cache_loc=slots[start:end], logits_indices=list(range(end - start)),
-                                    extend_prefix_lens=[start], extend_seq_lens=[end - start])
+            fb = ForwardBatch.build(
+                ForwardMode.EXTEND,
+                runner.device,
+                input_ids=ids[start:end],
+                positions=list(range(start, end)),
+                req_pool_indices=[row],
+                seq_lens=[end],
+                out_cache_loc=slots[start:end],
+                logits_indices=list(range(end - start)),
+                extend_prefix_lens=[start],
+                extend_seq_lens=[end - start],
+            )
             out.append(runner.forward(fb))
     finally:
         runner.token_to_kv_pool.free(slots)

@@ -11,6 +11,7 @@ or a second service in the same container looks like to the scheduler.
 
 Goal (issue 28): batch 2 under load <= 2x batch 1 under load (a collapse, seconds per step, without it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-POLICIES = {"passive (radixlm default)": {"OMP_WAIT_POLICY": "PASSIVE"},
-            "spin (OpenMP default)": {"GOMP_SPINCOUNT": "300000"}}
+POLICIES = {
+    "passive (radixlm default)": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin (OpenMP default)": {"GOMP_SPINCOUNT": "300000"},
+}
 
 
 def _spinners(n: int) -> list[subprocess.Popen]:
@@ -35,9 +38,20 @@ def _decode(env_extra: dict, batches: list[int], context: int, repeats: int, qua
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env_extra
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "decode.json"
-        cmd = [sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), "--batch-sizes", *map(str, batches),
-               "--context", str(context), "--repeats", str(repeats), "--quantization", quantization,
-               "--out", str(out)]
+        cmd = [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_decode.py"),
+            "--batch-sizes",
+            *map(str, batches),
+            "--context",
+            str(context),
+            "--repeats",
+            str(repeats),
+            "--quantization",
+            quantization,
+            "--out",
+            str(out),
+        ]
         subprocess.run(cmd, env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
@@ -68,10 +82,21 @@ def main() -> None:
                     p.kill()
                     p.wait()
             for r in result["rows"]:
-                rows.append({"policy": policy, "load": load, "busy_processes": busy if spinners else 0,
-                             "batch": r["batch"], "step_ms": r["step_ms"], "tokens_per_s": r["tokens_per_s"]})
-                print(f"{policy:>26} {load:>5} batch {r['batch']:3d}: {r['step_ms']:9.2f} ms/step "
-                      f"{r['tokens_per_s']:8.1f} tok/s", flush=True)
+                rows.append(
+                    {
+                        "policy": policy,
+                        "load": load,
+                        "busy_processes": busy if spinners else 0,
+                        "batch": r["batch"],
+                        "step_ms": r["step_ms"],
+                        "tokens_per_s": r["tokens_per_s"],
+                    }
+                )
+                print(
+                    f"{policy:>26} {load:>5} batch {r['batch']:3d}: {r['step_ms']:9.2f} ms/step "
+                    f"{r['tokens_per_s']:8.1f} tok/s",
+                    flush=True,
+                )
     by = {(r["policy"], r["load"], r["batch"]): r["step_ms"] for r in rows}
     print("\nbatch 2 / batch 1 step time under load:")
     for policy in POLICIES:
@@ -80,9 +105,19 @@ def main() -> None:
             print(f"  {policy}: {two / one:.2f}x (goal <= 2x)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"cpu": _cpu_name(), "usable_cpus": usable_cpus(),
-                                              "context": args.context, "quantization": args.quantization,
-                                              "load_average": os.getloadavg(), "rows": rows}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "cpu": _cpu_name(),
+                    "usable_cpus": usable_cpus(),
+                    "context": args.context,
+                    "quantization": args.quantization,
+                    "load_average": os.getloadavg(),
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     if args.plot and args.out:
         _plot(rows, Path(args.out).with_suffix(".png"))
 

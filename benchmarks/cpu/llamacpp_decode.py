@@ -10,6 +10,7 @@ median step time over all timed steps of all repeats (the context grows by --ste
 
 Needs `pip install -e '.[cpu-peers]'` (llama-cpp-python, see benchmarks/cpu/README.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,30 +72,62 @@ def main() -> None:
     try:
         import llama_cpp
     except ImportError as e:
-        raise SystemExit(f"llama_cpp is not importable ({e}): pip install -e '.[cpu-peers]' "
-                         "(see benchmarks/cpu/README.md)")
+        raise SystemExit(
+            f"llama_cpp is not importable ({e}): pip install -e '.[cpu-peers]' (see benchmarks/cpu/README.md)"
+        )
 
     n_ctx = args.n_ctx or -(-(args.context + args.steps + 1) // 256) * 256
     t = time.perf_counter()
-    llm = llama_cpp.Llama(args.model_path, n_threads=args.n_threads, n_threads_batch=args.n_threads, n_ctx=n_ctx,
-                          n_batch=args.n_batch, verbose=False)
+    llm = llama_cpp.Llama(
+        args.model_path,
+        n_threads=args.n_threads,
+        n_threads_batch=args.n_threads,
+        n_ctx=n_ctx,
+        n_batch=args.n_batch,
+        verbose=False,
+    )
     load_s = time.perf_counter() - t
     step_s, prefill_s = decode_times(llm, args.context, args.steps, args.repeats)
     step = statistics.median(step_s)
     prefill = statistics.median(prefill_s)
-    row = {"batch": 1, "context": args.context, "backend": "llama.cpp", "kernels": "ggml", "cuda_graph": False,
-           "step_ms": step * 1e3, "tokens_per_s": 1 / step, "mean_step_ms": statistics.fmean(step_s) * 1e3,
-           "p90_step_ms": statistics.quantiles(step_s, n=10)[-1] * 1e3 if len(step_s) > 1 else step * 1e3,
-           "prefill_ms": prefill * 1e3, "prefill_tokens_per_s": args.context / prefill}
-    print(f"{'llama.cpp':>12} threads={args.n_threads} batch    1: {step * 1e3:8.2f} ms/step {1 / step:9.1f} tokens/s"
-          f"   (prefill {args.context} tokens {prefill * 1e3:.1f} ms, load {load_s:.2f} s)", flush=True)
+    row = {
+        "batch": 1,
+        "context": args.context,
+        "backend": "llama.cpp",
+        "kernels": "ggml",
+        "cuda_graph": False,
+        "step_ms": step * 1e3,
+        "tokens_per_s": 1 / step,
+        "mean_step_ms": statistics.fmean(step_s) * 1e3,
+        "p90_step_ms": statistics.quantiles(step_s, n=10)[-1] * 1e3 if len(step_s) > 1 else step * 1e3,
+        "prefill_ms": prefill * 1e3,
+        "prefill_tokens_per_s": args.context / prefill,
+    }
+    print(
+        f"{'llama.cpp':>12} threads={args.n_threads} batch    1: {step * 1e3:8.2f} ms/step {1 / step:9.1f} tokens/s"
+        f"   (prefill {args.context} tokens {prefill * 1e3:.1f} ms, load {load_s:.2f} s)",
+        flush=True,
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "device": platform.processor() or platform.machine(), "engine": "llama.cpp",
-            "version": llama_cpp.__version__, "model": args.model_path, "n_threads": args.n_threads,
-            "n_ctx": n_ctx, "n_batch": args.n_batch, "steps": args.steps, "repeats": args.repeats,
-            "load_s": load_s, "rows": [row]}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": platform.processor() or platform.machine(),
+                    "engine": "llama.cpp",
+                    "version": llama_cpp.__version__,
+                    "model": args.model_path,
+                    "n_threads": args.n_threads,
+                    "n_ctx": n_ctx,
+                    "n_batch": args.n_batch,
+                    "steps": args.steps,
+                    "repeats": args.repeats,
+                    "load_s": load_s,
+                    "rows": [row],
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

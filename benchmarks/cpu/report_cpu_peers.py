@@ -7,6 +7,7 @@ DEST/{radixlm,llamacpp}_serving_random.json (bench_serving), the servers' logs a
 finds (missing files are skipped), writes DEST/summary.json and, when matplotlib is importable, a bar chart
 (DEST/peers.png unless --plot says otherwise). Ratios are always ours / llama.cpp.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,14 @@ TARGETS = [
     ("serving ITL mean <= 2x llama.cpp", lambda s: s["serving"]["ITL mean ms"]["ratio"] <= 2),
     ("model load <= 2 s", lambda s: s["load"]["radixlm_load_s"] <= 2),
 ]
-SERVING = [("output tok/s", ("output_throughput",)), ("requests/s", ("request_throughput",)),
-           ("TTFT mean ms", ("ttft_ms", "mean")), ("TTFT p99 ms", ("ttft_ms", "p99")),
-           ("ITL mean ms", ("itl_ms", "mean")), ("E2E mean ms", ("e2e_ms", "mean"))]
+SERVING = [
+    ("output tok/s", ("output_throughput",)),
+    ("requests/s", ("request_throughput",)),
+    ("TTFT mean ms", ("ttft_ms", "mean")),
+    ("TTFT p99 ms", ("ttft_ms", "p99")),
+    ("ITL mean ms", ("itl_ms", "mean")),
+    ("E2E mean ms", ("e2e_ms", "mean")),
+]
 
 
 def _best(s: dict, batch: int) -> float:
@@ -54,8 +60,11 @@ def summarize(d: Path) -> dict:
             for k in keys:
                 a, b = a[k], b[k]
             serving[name] = {"radixlm": a, "llamacpp": b, "ratio": a / b if b else None}
-        serving["completed/failed"] = {"radixlm": [ours["completed"], ours["failed"]],
-                                       "llamacpp": [theirs["completed"], theirs["failed"]], "ratio": None}
+        serving["completed/failed"] = {
+            "radixlm": [ours["completed"], ours["failed"]],
+            "llamacpp": [theirs["completed"], theirs["failed"]],
+            "ratio": None,
+        }
     load: dict[str, float | None] = {"radixlm_load_s": None}
     log = d / "radixlm_server.log"
     # Our loader logs "loaded NAME (...) in X.X s" at info level (srt/model_loader/loader.py).
@@ -74,16 +83,25 @@ def _f(v: float | None, fmt: str = ",.1f", unit: str = "") -> str:
 
 def render(s: dict, markdown: bool) -> list[str]:
     dec, out = s["decode"], []
-    row = (lambda *c: "| " + " | ".join(c) + " |") if markdown else (lambda *c: "  ".join(
-        f"{x:>13}" if i else f"{x:<26}" for i, x in enumerate(c)))
+    row = (
+        (lambda *c: "| " + " | ".join(c) + " |")
+        if markdown
+        else (lambda *c: "  ".join(f"{x:>13}" if i else f"{x:<26}" for i, x in enumerate(c)))
+    )
     llama = dec["llamacpp_b1"]
     out += ["decode step, context 64 (tok/s)", row("", "batch 1", "batch 16", "b1 / llama.cpp")]
     if markdown:
         out.append("|---|---:|---:|---:|")
     for q in ("none", "gguf"):
         b1 = dec[f"{q}_b1"]
-        out.append(row(f"radixlm --quantization {q}", _f(b1), _f(dec[f"{q}_b16"]),
-                       _f(b1 / llama if b1 and llama else None, ".2f", "x")))
+        out.append(
+            row(
+                f"radixlm --quantization {q}",
+                _f(b1),
+                _f(dec[f"{q}_b16"]),
+                _f(b1 / llama if b1 and llama else None, ".2f", "x"),
+            )
+        )
     out += [row("llama.cpp (single stream)", _f(llama), "-", "1.00x"), ""]
     if s["serving"]:
         out += ["serving random (bench_serving)", row("", "radixlm", "llama.cpp", "ours / llama.cpp")]
@@ -96,8 +114,10 @@ def render(s: dict, markdown: bool) -> list[str]:
                 out.append(row(name, _f(v["radixlm"]), _f(v["llamacpp"]), _f(v["ratio"], ".2f", "x")))
         out += [("\n" if markdown else "") + "(ratio > 1: ours ahead on tok/s and req/s, behind on the ms rows)", ""]
     ld = s["load"]
-    out.append(f"radixlm model load {_f(ld['radixlm_load_s'], '.2f')} s (server log); ready after: radixlm "
-               f"{_f(ld['radixlm_ready_s'], '.2f')} s, llama.cpp {_f(ld['llamacpp_ready_s'], '.2f')} s")
+    out.append(
+        f"radixlm model load {_f(ld['radixlm_load_s'], '.2f')} s (server log); ready after: radixlm "
+        f"{_f(ld['radixlm_ready_s'], '.2f')} s, llama.cpp {_f(ld['llamacpp_ready_s'], '.2f')} s"
+    )
     for what, ok in TARGETS:
         try:
             verdict = "met" if ok(s) else "NOT met"
@@ -116,8 +136,13 @@ def plot(s: dict, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     dec = s["decode"]
-    bars = [("ours fp32 b1", dec["none_b1"]), ("ours fp32 b16", dec["none_b16"]), ("ours gguf b1", dec["gguf_b1"]),
-            ("ours gguf b16", dec["gguf_b16"]), ("llama.cpp b1", dec["llamacpp_b1"])]
+    bars = [
+        ("ours fp32 b1", dec["none_b1"]),
+        ("ours fp32 b16", dec["none_b16"]),
+        ("ours gguf b1", dec["gguf_b1"]),
+        ("ours gguf b16", dec["gguf_b16"]),
+        ("llama.cpp b1", dec["llamacpp_b1"]),
+    ]
     bars = [(n, v) for n, v in bars if v is not None]
     if not bars and not s["serving"]:
         return False
@@ -146,8 +171,10 @@ def main() -> None:
     (d / "summary.json").write_text(json.dumps(s, indent=2))
     m = s["meta"]
     if m:
-        print(f"{m.get('cpu')}, {m.get('threads')} threads; radixlm {m.get('radixlm_commit')} ({m.get('ours_flags')}), "
-              f"llama-cpp-python {m.get('llama_cpp_python')}, torch {m.get('torch')}")
+        print(
+            f"{m.get('cpu')}, {m.get('threads')} threads; radixlm {m.get('radixlm_commit')} ({m.get('ours_flags')}), "
+            f"llama-cpp-python {m.get('llama_cpp_python')}, torch {m.get('torch')}"
+        )
     print("\n".join(render(s, args.markdown)))
     png = Path(args.plot) if args.plot else d / "peers.png"
     if plot(s, png):

@@ -8,6 +8,7 @@ order), draw random.Random(20261125).sample(ids, 40) (all ids if fewer than 40),
 it only if it parses as a JSON object. Lines are ordered by subset, then id; each line is
 {"subset": ..., "id": ..., "schema": ...} with the schema's key order as in the file. Stdlib only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,16 @@ from pathlib import Path
 SEED = 20261125
 PER_SUBSET = 40
 SUBSETS = [
-    "Github_easy", "Github_hard", "Github_medium", "Github_trivial", "Github_ultra",
-    "Glaiveai2K", "JsonSchemaStore", "Kubernetes", "Snowplow", "WashingtonPost",
+    "Github_easy",
+    "Github_hard",
+    "Github_medium",
+    "Github_trivial",
+    "Github_ultra",
+    "Glaiveai2K",
+    "JsonSchemaStore",
+    "Kubernetes",
+    "Snowplow",
+    "WashingtonPost",
 ]
 DEFAULT_OUT = Path(__file__).resolve().parent / "jsonschemabench_sample.jsonl"
 

@@ -7,6 +7,7 @@ its own chunk; prompts tokenize as before (the added strings never occur in them
 
     python benchmarks/gpu/full_vocab_tokenizer.py SRC_DIR DST_DIR 128256
 """
+
 import sys
 
 from transformers import AutoTokenizer

@@ -8,6 +8,7 @@ steps between two of its tokens, so extend steps that carry no decode rows show 
 `workload=random` runs the random serving shape instead (512-token prompts, 128 output tokens, 32 in flight);
 `gc_ab=true` runs it a second time with Python's cyclic collector let back at everything alive (see below).
 """
+
 from __future__ import annotations
 
 import gc
@@ -56,10 +57,17 @@ def summary(steps: list[dict], kind: str) -> dict:
     if not ms:
         return {"steps": 0}
     q = statistics.quantiles(ms, n=100) if len(ms) > 1 else ms * 99
-    return {"steps": len(ms), "ms_sum": sum(ms), "ms_mean": statistics.mean(ms), "ms_p50": q[49],
-            "ms_p99": q[98], "ms_max": max(ms),
-            "tokens_mean": statistics.mean(toks), "tokens_max": max(toks),
-            "with_decode_riders": sum(1 for s in steps if s.get("mode") == kind and s.get("decode_riders"))}
+    return {
+        "steps": len(ms),
+        "ms_sum": sum(ms),
+        "ms_mean": statistics.mean(ms),
+        "ms_p50": q[49],
+        "ms_p99": q[98],
+        "ms_max": max(ms),
+        "tokens_mean": statistics.mean(toks),
+        "tokens_max": max(toks),
+        "with_decode_riders": sum(1 for s in steps if s.get("mode") == kind and s.get("decode_riders")),
+    }
 
 
 def run(label: str) -> dict:
@@ -81,12 +89,20 @@ def run(label: str) -> dict:
     total = time.perf_counter() - start
     eng.flush_cache()
     n_out = len(prompts) * params["max_new_tokens"]
-    res = {"run": label, "seconds": total, "output_tokens_per_s": n_out / total,
-           "extend": summary(steps, "extend"), "decode": summary(steps, "decode"),
-           "gc": {g: {"count": len(v), "ms_sum": sum(v), "ms_max": max(v, default=0)} for g, v in gc_ms.items()},
-           "steps": steps}
-    print(f"{workload} {label}: {total:.2f} s, {n_out / total:.0f} output tok/s; extend {res['extend']}; "
-          f"decode {res['decode']}; gc {res['gc']}", flush=True)
+    res = {
+        "run": label,
+        "seconds": total,
+        "output_tokens_per_s": n_out / total,
+        "extend": summary(steps, "extend"),
+        "decode": summary(steps, "decode"),
+        "gc": {g: {"count": len(v), "ms_sum": sum(v), "ms_max": max(v, default=0)} for g, v in gc_ms.items()},
+        "steps": steps,
+    }
+    print(
+        f"{workload} {label}: {total:.2f} s, {n_out / total:.0f} output tok/s; extend {res['extend']}; "
+        f"decode {res['decode']}; gc {res['gc']}",
+        flush=True,
+    )
     return res
 
 

@@ -5,6 +5,7 @@ the wheelhouse install, see README.md), so it imports nothing of ours but benchm
     python benchmarks/peers/vllm_offline.py --model-path benchmarks/configs/llama-3.1-8b --tokenizer-path TOK \\
         --workload random --num-prompts 256 --input-len 512 --output-len 256 --out DEST/vllm_offline_random.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=args.model_path, tokenizer=args.tokenizer_path, load_format="dummy", dtype="bfloat16",
-                  gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len, seed=0)
+    kwargs = dict(
+        model=args.model_path,
+        tokenizer=args.tokenizer_path,
+        load_format="dummy",
+        dtype="bfloat16",
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        seed=0,
+    )
     llm = LLM(**kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     data = offline_workload(args, vocab)
@@ -47,9 +55,17 @@ def main() -> None:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    offline_report(args, data, sum(len(o.outputs[0].token_ids) for o in outs), elapsed, label="vllm ",
-                   engine="vllm", version=vllm.__version__, device=torch.cuda.get_device_name(),
-                   engine_args={k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")})
+    offline_report(
+        args,
+        data,
+        sum(len(o.outputs[0].token_ids) for o in outs),
+        elapsed,
+        label="vllm ",
+        engine="vllm",
+        version=vllm.__version__,
+        device=torch.cuda.get_device_name(),
+        engine_args={k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")},
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ plain first on odd ones); each result then reports the median of each measure an
 "runs" (its other keys are those a single run had, so readers of earlier results read these too).
 client_overhead.py splits the DSL's and the plain client's per-call time into client and server parts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,11 @@ import httpx
 
 import radixlm as sgl
 
-WORDS = ("river mountain ocean forest city garden window table music story letter energy system market family "
-         "school country question answer history science light stone bridge cloud winter summer morning evening "
-         "dream voice color paper animal planet engine doctor farmer teacher artist").split()
+WORDS = (
+    "river mountain ocean forest city garden window table music story letter energy system market family "
+    "school country question answer history science light stone bridge cloud winter summer morning evening "
+    "dream voice color paper animal planet engine doctor farmer teacher artist"
+).split()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -79,10 +82,16 @@ def tree_of_thought(s, question, max_tokens):
     s += sgl.assistant_end()
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "city": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer"}},
-          "required": ["name", "city", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "city": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer"},
+    },
+    "required": ["name", "city", "age"],
+    "additionalProperties": False,
+}
 
 
 @sgl.function
@@ -116,21 +125,40 @@ def workloads(scale: int, seed: int) -> dict:
     instructions = "Extract the person as JSON with name, city and age.\n" + words(rng, 150) + "\n"
     n = scale
     return {
-        "kshot_mc": (kshot_mc, [{"shots": shots, "question": words(rng, 15) + "?", "choices": ["A", "B", "C", "D"]}
-                                for _ in range(4 * n)]),
-        "hellaswag": (hellaswag, [{"context": words(rng, 40), "endings": [" " + words(rng, 8) for _ in range(4)]}
-                                  for _ in range(4 * n)]),
-        "multi_turn_chat": (multi_turn, [{"system": system, "questions": [words(rng, 10) + "?" for _ in range(4)],
-                                          "max_tokens": 8} for _ in range(n)]),
-        "tree_of_thought": (tree_of_thought, [{"question": words(rng, 12) + "?", "max_tokens": 6}
-                                              for _ in range(max(1, n // 4))]),
-        "json_extraction": (json_extract, [{"instructions": instructions,
-                                            "text": f"{rng.choice(WORDS)} lives in {rng.choice(WORDS)}"}
-                                           for _ in range(2 * n)]),
-        "react_agent": (react, [{"tools_doc": tools, "question": words(rng, 10) + "?", "steps": 3, "max_tokens": 8}
-                                for _ in range(n)]),
-        "rag_shared_document": (rag, [{"document": doc, "question": words(rng, 10) + "?", "max_tokens": 8}
-                                      for _ in range(2 * n)]),
+        "kshot_mc": (
+            kshot_mc,
+            [{"shots": shots, "question": words(rng, 15) + "?", "choices": ["A", "B", "C", "D"]} for _ in range(4 * n)],
+        ),
+        "hellaswag": (
+            hellaswag,
+            [{"context": words(rng, 40), "endings": [" " + words(rng, 8) for _ in range(4)]} for _ in range(4 * n)],
+        ),
+        "multi_turn_chat": (
+            multi_turn,
+            [
+                {"system": system, "questions": [words(rng, 10) + "?" for _ in range(4)], "max_tokens": 8}
+                for _ in range(n)
+            ],
+        ),
+        "tree_of_thought": (
+            tree_of_thought,
+            [{"question": words(rng, 12) + "?", "max_tokens": 6} for _ in range(max(1, n // 4))],
+        ),
+        "json_extraction": (
+            json_extract,
+            [
+                {"instructions": instructions, "text": f"{rng.choice(WORDS)} lives in {rng.choice(WORDS)}"}
+                for _ in range(2 * n)
+            ],
+        ),
+        "react_agent": (
+            react,
+            [{"tools_doc": tools, "question": words(rng, 10) + "?", "steps": 3, "max_tokens": 8} for _ in range(n)],
+        ),
+        "rag_shared_document": (
+            rag,
+            [{"document": doc, "question": words(rng, 10) + "?", "max_tokens": 8} for _ in range(2 * n)],
+        ),
     }
 
 
@@ -142,8 +170,14 @@ def _counts(url: str, before: dict, n: int, secs: float) -> dict:
     after = server_stats(url)
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     cached = after["cached_tokens"] - before["cached_tokens"]
-    return {"programs": n, "seconds": secs, "programs_per_s": n / secs, "prompt_tokens": prompt,
-            "cached_tokens": cached, "cache_hit_rate": cached / prompt if prompt else 0.0}
+    return {
+        "programs": n,
+        "seconds": secs,
+        "programs_per_s": n / secs,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+    }
 
 
 def run_dsl(backend, url: str, prog, args: list[dict], threads: int) -> dict:
@@ -196,15 +230,18 @@ def run_openai_plain(plain: PlainClient, url: str, name: str, args: list[dict], 
     def one(a):
         try:
             if name == "rag_shared_document":
-                msgs = [{"role": "system", "content": "Answer from the document.\n" + a["document"]},
-                        {"role": "user", "content": a["question"]}]
+                msgs = [
+                    {"role": "system", "content": "Answer from the document.\n" + a["document"]},
+                    {"role": "user", "content": a["question"]},
+                ]
                 client.chat.completions.create(model=model, messages=msgs, max_tokens=a["max_tokens"], temperature=0)
                 return None
             msgs = [{"role": "system", "content": a["system"]}]
             for q in a["questions"]:
                 msgs.append({"role": "user", "content": q})
-                r = client.chat.completions.create(model=model, messages=msgs, max_tokens=a["max_tokens"],
-                                                   temperature=0)
+                r = client.chat.completions.create(
+                    model=model, messages=msgs, max_tokens=a["max_tokens"], temperature=0
+                )
                 msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
         except Exception as e:  # noqa: BLE001 - reported like the DSL's failed programs
             return repr(e)[:200]
@@ -246,9 +283,12 @@ def summarize(runs: list[dict]) -> dict:
 
 def _line(name: str, label: str, r: dict) -> str:
     runs = "" if r["repeats"] == 1 else " runs " + " ".join(f"{x['programs_per_s']:.2f}" for x in r["runs"])
-    return (f"{name:>20} {label:>12}: {r['programs']:3d} programs {r['seconds']:7.2f} s {r['programs_per_s']:6.2f}/s "
-            f"cache hit {r['cache_hit_rate']:.2f} failed {r['failed']}"
-            + (f" invalid json {r['invalid_json']}" if "invalid_json" in r else "") + runs)
+    return (
+        f"{name:>20} {label:>12}: {r['programs']:3d} programs {r['seconds']:7.2f} s {r['programs_per_s']:6.2f}/s "
+        f"cache hit {r['cache_hit_rate']:.2f} failed {r['failed']}"
+        + (f" invalid json {r['invalid_json']}" if "invalid_json" in r else "")
+        + runs
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -276,12 +316,17 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="a running server (radix on); default: launch ours twice")
     ap.add_argument("--scale", type=int, default=4, help="programs per workload are multiples of this")
     ap.add_argument("--threads", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="timed runs per measurement (median reported, all kept); DSL and plain alternate")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per measurement (median reported, all kept); DSL and plain alternate",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", nargs="+", default=None)
-    ap.add_argument("--server-args", default="",
-                    help="key=value server arguments for the launched servers, e.g. 'device=cuda'")
+    ap.add_argument(
+        "--server-args", default="", help="key=value server arguments for the launched servers, e.g. 'device=cuda'"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -324,14 +369,15 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for r in out:
         on, off, plain = r.get("radix_on"), r.get("radix_off"), r.get("openai_plain")
-        print(f"| {r['workload']} | {on['programs_per_s']:.2f} | {on['cache_hit_rate']:.2f} | "
-              f"{off['programs_per_s'] if off else float('nan'):.2f} | "
-              f"{on['programs_per_s'] / off['programs_per_s'] if off else float('nan'):.2f}x | "
-              f"{plain['programs_per_s'] if plain else float('nan'):.2f} |")
+        print(
+            f"| {r['workload']} | {on['programs_per_s']:.2f} | {on['cache_hit_rate']:.2f} | "
+            f"{off['programs_per_s'] if off else float('nan'):.2f} | "
+            f"{on['programs_per_s'] / off['programs_per_s'] if off else float('nan'):.2f}x | "
+            f"{plain['programs_per_s'] if plain else float('nan'):.2f} |"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": platform.node(), "config": vars(args), "rows": out},
-                                             indent=2))
+        Path(args.out).write_text(json.dumps({"machine": platform.node(), "config": vars(args), "rows": out}, indent=2))
     if args.plot and all(r.get("radix_off") for r in out):
         plot(out, Path(args.plot))
 

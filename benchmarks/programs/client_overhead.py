@@ -11,6 +11,7 @@ the same prompts).
     python benchmarks/programs/client_overhead.py --url http://127.0.0.1:30000 --programs 32 --threads 64 \\
         --repeats 5 --out /tmp/overhead.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,12 +68,18 @@ def run(mode: str, url: str, args: list[dict], threads: int, backend, client, mo
             del backend._request
         failed = sum(s.error is not None for s in states)
     else:
+
         def one(a):
             msgs = [{"role": "system", "content": a["system"]}]
             for q in a["questions"]:
                 msgs.append({"role": "user", "content": q})
-                r = timed(client.chat.completions.create, model=model, messages=msgs, max_tokens=a["max_tokens"],
-                          temperature=0)
+                r = timed(
+                    client.chat.completions.create,
+                    model=model,
+                    messages=msgs,
+                    max_tokens=a["max_tokens"],
+                    temperature=0,
+                )
                 msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
 
         with ThreadPoolExecutor(threads) as pool:
@@ -83,12 +90,21 @@ def run(mode: str, url: str, args: list[dict], threads: int, backend, client, mo
     n = d.get("e2e_count", 0)
     client_ms = 1000 * statistics.mean(calls) if calls else float("nan")
     server_ms = 1000 * d["e2e_sum"] / n if n else float("nan")
-    return {"mode": mode, "programs": len(args), "failed": failed, "seconds": secs,
-            "programs_per_s": len(args) / secs, "client_calls": len(calls), "server_requests": n,
-            "routes": {k: v for k, v in d.items() if not k.startswith("e2e")},
-            "client_call_ms": client_ms, "server_e2e_ms": server_ms, "outside_scheduler_ms": client_ms - server_ms,
-            "prompt_tokens": s1["prompt_tokens"] - s0["prompt_tokens"],
-            "cached_tokens": s1["cached_tokens"] - s0["cached_tokens"]}
+    return {
+        "mode": mode,
+        "programs": len(args),
+        "failed": failed,
+        "seconds": secs,
+        "programs_per_s": len(args) / secs,
+        "client_calls": len(calls),
+        "server_requests": n,
+        "routes": {k: v for k, v in d.items() if not k.startswith("e2e")},
+        "client_call_ms": client_ms,
+        "server_e2e_ms": server_ms,
+        "outside_scheduler_ms": client_ms - server_ms,
+        "prompt_tokens": s1["prompt_tokens"] - s0["prompt_tokens"],
+        "cached_tokens": s1["cached_tokens"] - s0["cached_tokens"],
+    }
 
 
 def main() -> None:
@@ -103,8 +119,10 @@ def main() -> None:
     a = ap.parse_args()
     rng = random.Random(a.seed)
     system = "You are a careful assistant. " + bp.words(rng, 400)
-    args = [{"system": system, "questions": [bp.words(rng, 10) + "?" for _ in range(4)], "max_tokens": a.max_tokens}
-            for _ in range(a.programs)]
+    args = [
+        {"system": system, "questions": [bp.words(rng, 10) + "?" for _ in range(4)], "max_tokens": a.max_tokens}
+        for _ in range(a.programs)
+    ]
     import openai
 
     backend = sgl.RuntimeEndpoint(a.url)
@@ -117,15 +135,20 @@ def main() -> None:
         for mode in ("dsl", "plain") if rep % 2 == 0 else ("plain", "dsl"):
             r = run(mode, a.url, args, a.threads, backend, client, model)
             runs.append(r)
-            print(f"{mode:>5}: {r['programs_per_s']:7.2f} prog/s  call {r['client_call_ms']:7.1f} ms  server e2e "
-                  f"{r['server_e2e_ms']:7.1f} ms  outside {r['outside_scheduler_ms']:6.1f} ms  requests "
-                  f"{r['server_requests']:.0f}  prompt {r['prompt_tokens']} cached {r['cached_tokens']}  "
-                  f"failed {r['failed']}", flush=True)
+            print(
+                f"{mode:>5}: {r['programs_per_s']:7.2f} prog/s  call {r['client_call_ms']:7.1f} ms  server e2e "
+                f"{r['server_e2e_ms']:7.1f} ms  outside {r['outside_scheduler_ms']:6.1f} ms  requests "
+                f"{r['server_requests']:.0f}  prompt {r['prompt_tokens']} cached {r['cached_tokens']}  "
+                f"failed {r['failed']}",
+                flush=True,
+            )
     summary = {}
     for mode in ("dsl", "plain"):
         mine = [r for r in runs if r["mode"] == mode]
-        summary[mode] = {k: statistics.median(r[k] for r in mine)
-                         for k in ("programs_per_s", "client_call_ms", "server_e2e_ms", "outside_scheduler_ms")}
+        summary[mode] = {
+            k: statistics.median(r[k] for r in mine)
+            for k in ("programs_per_s", "client_call_ms", "server_e2e_ms", "outside_scheduler_ms")
+        }
         print(f"median {mode:>5}: " + "  ".join(f"{k} {v:.2f}" for k, v in summary[mode].items()))
     if a.out:
         Path(a.out).write_text(json.dumps({"config": vars(a), "median": summary, "runs": runs}, indent=2))

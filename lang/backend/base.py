@@ -1,4 +1,5 @@
 """The interface the interpreter talks to. The language never reaches into the runtime's internals."""
+
 from __future__ import annotations
 
 import threading
@@ -26,6 +27,7 @@ class GenResult:
 @dataclass
 class Call:
     """One generation: the prompt so far (and, for chat APIs, the turns so far) and sampling parameters."""
+
     text: str
     params: dict
     messages: list[dict] = field(default_factory=list)  # finished turns
@@ -34,13 +36,16 @@ class Call:
 
     def split(self) -> tuple[dict, dict]:
         """(sampling parameters, request options)."""
-        return ({k: v for k, v in self.params.items() if k not in REQUEST_OPTIONS},
-                {k: v for k, v in self.params.items() if k in REQUEST_OPTIONS})
+        return (
+            {k: v for k, v in self.params.items() if k not in REQUEST_OPTIONS},
+            {k: v for k, v in self.params.items() if k in REQUEST_OPTIONS},
+        )
 
 
 @dataclass
 class TokenUsage:
     """Tokens a backend's requests have used (SGLang's `backend.token_usage`); run_batch threads add to it at once."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -1,5 +1,6 @@
 """One thread that owns an in-process Engine: jobs from any thread are added as they come and stepped
 together, so concurrent program branches share batches (and the radix cache) as they would on a server."""
+
 from __future__ import annotations
 
 import queue
@@ -15,12 +16,14 @@ _DONE = object()
 @dataclass
 class _Cancel:
     """The caller stopped reading a job's stream: abort its requests."""
+
     job: "_Job"
 
 
 @dataclass
 class _Control:
     """A call on the engine that must not race a step (flush_cache, get_stats): run between steps."""
+
     fn: object
     result: queue.Queue = field(default_factory=queue.Queue)
 
@@ -97,10 +100,13 @@ class EngineDriver:
     def _add(self, job: _Job) -> None:
         p = job.payload
         try:
-            job.rids = self.engine.add_request(prompt=p["text"], sampling_params=p.get("sampling_params"),
-                                               return_logprob=p.get("return_logprob", False),
-                                               top_logprobs_num=p.get("top_logprobs_num", 0),
-                                               logprob_start_len=p.get("logprob_start_len", -1))
+            job.rids = self.engine.add_request(
+                prompt=p["text"],
+                sampling_params=p.get("sampling_params"),
+                return_logprob=p.get("return_logprob", False),
+                top_logprobs_num=p.get("top_logprobs_num", 0),
+                logprob_start_len=p.get("logprob_start_len", -1),
+            )
         except Exception as e:  # a bad request fails its caller only
             job.updates.put(LangError(f"the engine refused the request: {e}"))
             return

@@ -1,4 +1,5 @@
 """Starting and stopping a server subprocess for `Runtime`."""
+
 from __future__ import annotations
 
 import os
@@ -57,14 +58,12 @@ def launch_server(model_path, port, timeout, api_key, server_args: dict) -> tupl
         elif value not in (False, None):
             cmd += [flag, str(value)]
     log = tempfile.NamedTemporaryFile(prefix="radixlm-runtime-", suffix=".log", delete=False)
-    proc = ServerProcess(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()),
-                         log.name)
+    proc = ServerProcess(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()), log.name)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:
         if proc.popen.poll() is not None:
-            raise LangError(f"the server exited with code {proc.popen.returncode} while starting:\n"
-                            f"{proc.log_tail()}")
+            raise LangError(f"the server exited with code {proc.popen.returncode} while starting:\n{proc.log_tail()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url

@@ -5,6 +5,7 @@ server this process launches and owns) and `EngineBackend` (the in-process Engin
 token count, and it lands in the radix cache), then prompt + each choice with prompt logprobs from the end
 of the prompt on, so the server computes only the choices' tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,7 +99,7 @@ class NativeBackend(Backend):
             _check_finished(item)
             text = item.get("text", "")
             if len(text) > len(sent):
-                yield text[len(sent):], None
+                yield text[len(sent) :], None
                 sent = text
             last = item
         if last is None:
@@ -117,9 +118,17 @@ class NativeBackend(Backend):
         return int(item["meta_info"]["prompt_tokens"])
 
     def _token_logprobs(self, texts: list[str], start: int) -> list[list[tuple[float | None, int]]]:
-        items = [_check_finished(item) for item in self._request(
-            {"text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0}, "return_logprob": True,
-             "logprob_start_len": start})]
+        items = [
+            _check_finished(item)
+            for item in self._request(
+                {
+                    "text": texts,
+                    "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                    "return_logprob": True,
+                    "logprob_start_len": start,
+                }
+            )
+        ]
         self._count(items)
         return [[tuple(e[:2]) for e in item["meta_info"].get("input_token_logprobs") or []] for item in items]
 
@@ -148,8 +157,12 @@ class NativeBackend(Backend):
         best, scores = choice_scoring.pick(method, cond, uncond)
         if temperature > 0:  # sample in proportion to exp(score / T) instead of taking the best
             best = choice_scoring.sample(scores, temperature, self.rng)
-        meta = {"normalized_prompt_logprobs": scores, "input_token_logprobs": cond, "prompt_tokens": n_prefix,
-                "finish_reason": {"type": "stop", "matched": choices[best]}}
+        meta = {
+            "normalized_prompt_logprobs": scores,
+            "input_token_logprobs": cond,
+            "prompt_tokens": n_prefix,
+            "finish_reason": {"type": "stop", "matched": choices[best]},
+        }
         if uncond is not None:
             meta["unconditional_token_logprobs"] = uncond
         return best, meta
@@ -161,23 +174,36 @@ _BOUNDARY_TOKENS = 4  # prefix tokens re-scored with each choice (see _condition
 class RuntimeEndpoint(NativeBackend):
     """A running radixlm (or SGLang) server, through its native `/generate`."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, verify=None, chat_template_name: str | None = None,
-                 *, timeout: float = 600):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        verify=None,
+        chat_template_name: str | None = None,
+        *,
+        timeout: float = 600,
+    ):
         super().__init__()
         import httpx
 
         if chat_template_name is not None:
-            raise LangError(f"chat_template_name={chat_template_name!r}: radixlm renders role blocks with the "
-                            "server's own chat template (its tokenizer's); named templates are not supported")
+            raise LangError(
+                f"chat_template_name={chat_template_name!r}: radixlm renders role blocks with the "
+                "server's own chat template (its tokenizer's); named templates are not supported"
+            )
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # One client is shared by every thread of run_batch and fork, each with one request in flight at a time,
         # so the pool is not capped: httpx's default (100 connections, 20 kept alive) would queue requests past
         # 100 threads and close and reopen a connection for most calls past 20 (a 64-thread run_batch opened
         # ~220 connections for 256 calls). Idle connections still expire after keepalive_expiry.
-        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
-                                   verify=True if verify is None else verify,
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.client = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=timeout,
+            verify=True if verify is None else verify,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
         self.model_info = self._get("/get_model_info")
 
     def _get(self, path: str) -> dict:
@@ -313,8 +339,16 @@ class Runtime(RuntimeEndpoint):
     """Launches `radixlm serve` in a subprocess and talks to it; `with Runtime(...) as rt:` stops it after.
     Keywords are server flags (`model_path=...`, `max_total_tokens=...`)."""
 
-    def __init__(self, model_path: str | None = None, port: int | None = None, timeout: float = 300,
-                 api_key: str | None = None, *, launch_timeout: float | None = None, **server_args):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        port: int | None = None,
+        timeout: float = 300,
+        api_key: str | None = None,
+        *,
+        launch_timeout: float | None = None,
+        **server_args,
+    ):
         from radixlm.lang.backend.launch import launch_server
 
         timeout = launch_timeout if launch_timeout is not None else timeout  # SGLang's name for it

@@ -10,6 +10,7 @@ native backends do. On a chat model, or a server without prompt logprobs, it ask
 the choices (the `regex` extra field, which radixlm and SGLang servers take), else an unconstrained answer matched
 against the choices; an answer that matches none is an error, never a silent guess.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,16 @@ from radixlm.lang import choices as choice_scoring
 from radixlm.lang.backend.base import Backend, Call, GenResult, LangError
 from radixlm.lang.chat_template import ROLES, RoleMarkers
 
-_PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "stop": "stop",
-           "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty", "seed": "seed",
-           "n": "n"}
+_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "stop": "stop",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "seed": "seed",
+    "n": "n",
+}
 _EXTRA_PARAMS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "regex", "stop_token_ids"}
 _RENAMED_EXTRAS = {"min_new_tokens": "min_tokens"}
 # OpenAI's completion models (SGLang's list, and the other two still served)
@@ -32,14 +40,24 @@ INSTRUCT_MODEL_NAMES = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
 
 
 class OpenAI(Backend):
-    def __init__(self, model_name: str, is_chat_model: bool | None = None, chat_template: RoleMarkers | None = None,
-                 is_azure: bool = False, *, base_url: str | None = None, api_key: str | None = None,
-                 **client_kwargs):
+    def __init__(
+        self,
+        model_name: str,
+        is_chat_model: bool | None = None,
+        chat_template: RoleMarkers | None = None,
+        is_azure: bool = False,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        **client_kwargs,
+    ):
         import openai
 
         if chat_template is not None and not isinstance(chat_template, RoleMarkers):
-            raise LangError("OpenAI(chat_template=...) takes a radixlm.lang.chat_template.RoleMarkers (the text "
-                            "around each role's content, for completion models)")
+            raise LangError(
+                "OpenAI(chat_template=...) takes a radixlm.lang.chat_template.RoleMarkers (the text "
+                "around each role's content, for completion models)"
+            )
         self.model_name = self.model = model_name
         self.is_chat_model = model_name not in INSTRUCT_MODEL_NAMES if is_chat_model is None else bool(is_chat_model)
         key = api_key or os.environ.get("AZURE_OPENAI_API_KEY" if is_azure else "OPENAI_API_KEY") or "none"
@@ -72,8 +90,10 @@ class OpenAI(Backend):
             elif key == "json_schema":
                 schema = json.loads(value) if isinstance(value, str) else value
                 if self.is_chat_model:
-                    args["response_format"] = {"type": "json_schema",
-                                               "json_schema": {"name": "output", "schema": schema}}
+                    args["response_format"] = {
+                        "type": "json_schema",
+                        "json_schema": {"name": "output", "schema": schema},
+                    }
                 else:
                     extra["json_schema"] = json.dumps(schema)
             elif key == "logprob_start_len":
@@ -102,8 +122,10 @@ class OpenAI(Backend):
 
     def _messages(self, call: Call) -> tuple[list[dict], bool]:
         if call.role != "assistant":
-            raise LangError("the OpenAI backend drives a chat model: gen runs only inside an assistant turn "
-                            "(s += assistant(gen(...))); pass is_chat_model=False for a completion model")
+            raise LangError(
+                "the OpenAI backend drives a chat model: gen runs only inside an assistant turn "
+                "(s += assistant(gen(...))); pass is_chat_model=False for a completion model"
+            )
         if not call.messages:
             raise LangError("the OpenAI backend needs at least one finished turn (system or user) before gen")
         if call.role_text:  # continue the partly written turn
@@ -118,10 +140,13 @@ class OpenAI(Backend):
         except self._openai.APIStatusError as e:
             hint = ""
             if (args.get("extra_body") or {}).get("continue_final_message"):
-                hint = (" (continuing a partly written assistant turn needs a server that takes "
-                        "continue_final_message, such as radixlm, vLLM or SGLang; or use num_api_spec_tokens)")
-            raise LangError(f"the OpenAI-compatible server refused the request (HTTP {e.status_code}): "
-                            f"{e.message}{hint}") from None
+                hint = (
+                    " (continuing a partly written assistant turn needs a server that takes "
+                    "continue_final_message, such as radixlm, vLLM or SGLang; or use num_api_spec_tokens)"
+                )
+            raise LangError(
+                f"the OpenAI-compatible server refused the request (HTTP {e.status_code}): {e.message}{hint}"
+            ) from None
         except self._openai.APIConnectionError as e:
             raise LangError(f"no OpenAI-compatible server answered: {e}") from None
 
@@ -178,8 +203,12 @@ class OpenAI(Backend):
                 best, scores = choice_scoring.pick(method, cond, uncond)
                 if temperature > 0:
                     best = choice_scoring.sample(scores, temperature, self.rng)
-                meta = {"normalized_prompt_logprobs": scores, "input_token_logprobs": cond,
-                        "select_method": "prompt_logprobs", "finish_reason": {"type": "stop", "matched": choices[best]}}
+                meta = {
+                    "normalized_prompt_logprobs": scores,
+                    "input_token_logprobs": cond,
+                    "select_method": "prompt_logprobs",
+                    "finish_reason": {"type": "stop", "matched": choices[best]},
+                }
                 if uncond is not None:
                     meta["unconditional_token_logprobs"] = uncond
                 return best, meta
@@ -192,8 +221,9 @@ class OpenAI(Backend):
         if method.name == "unconditional_likelihood_normalized":
             prompts += list(choices)
         try:
-            r = self.client.completions.create(model=self.model_name, prompt=prompts, echo=True, logprobs=0,
-                                               max_tokens=0, temperature=0)
+            r = self.client.completions.create(
+                model=self.model_name, prompt=prompts, echo=True, logprobs=0, max_tokens=0, temperature=0
+            )
         except (self._openai.APIStatusError, self._openai.APIConnectionError):
             return None
         if r.usage:
@@ -207,7 +237,7 @@ class OpenAI(Backend):
         for i in range(1, len(choices) + 1):
             k = choice_scoring.after_prefix(toks[0], toks[i])
             cond.append([lp for lp in lps[i][k:] if lp is not None])
-        uncond = [[lp for lp in x if lp is not None] for x in lps[len(choices) + 1:]] or None
+        uncond = [[lp for lp in x if lp is not None] for x in lps[len(choices) + 1 :]] or None
         return cond, uncond
 
     def _select_by_answer(self, call: Call, choices: list[str], temperature: float) -> tuple[int, dict]:
@@ -215,8 +245,9 @@ class OpenAI(Backend):
         regex = "(" + "|".join(re.escape(c) for c in choices) + ")"
         params = {"temperature": temperature, "max_new_tokens": max(8, longest)}
         try:
-            text = self.generate(Call(call.text, {**params, "regex": regex}, call.messages, call.role,
-                                      call.role_text)).text
+            text = self.generate(
+                Call(call.text, {**params, "regex": regex}, call.messages, call.role, call.role_text)
+            ).text
             how = "constrained"
         except LangError:  # a server without the regex extension: ask freely, then match
             text = self.generate(Call(call.text, params, call.messages, call.role, call.role_text)).text

@@ -4,6 +4,7 @@ A backend compiles a spec into a reusable CompiledGrammar (shared by every reque
 request gets its own Matcher, which follows the tokens it accepts and fills that request's row of the batch's
 token bitmask (int32 words, bit j of word w allows token 32 * w + j; the layout outlines-core and xgrammar
 share)."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -20,8 +21,14 @@ class GrammarSpec:
     spec: str  # canonical text: a JSON schema (sorted keys), a regex, EBNF, a JSON list of choices, ""
 
     def describe(self) -> str:
-        return {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar", "choices": "choice list",
-                "json_object": "JSON object", "tool_call": "tool-call grammar"}[self.kind]
+        return {
+            "json_schema": "JSON schema",
+            "regex": "regex",
+            "ebnf": "EBNF grammar",
+            "choices": "choice list",
+            "json_object": "JSON object",
+            "tool_call": "tool-call grammar",
+        }[self.kind]
 
 
 class Matcher(ABC):
@@ -55,8 +62,7 @@ class Matcher(ABC):
 
 class CompiledGrammar(ABC):
     @abstractmethod
-    def matcher(self) -> Matcher:
-        ...
+    def matcher(self) -> Matcher: ...
 
 
 class GrammarBackend(ABC):

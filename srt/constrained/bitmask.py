@@ -1,4 +1,5 @@
 """Token bitmasks on the device: unconstrained rows are all ones; constrained rows come from matchers."""
+
 from __future__ import annotations
 
 import torch

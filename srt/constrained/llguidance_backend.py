@@ -4,6 +4,7 @@ computed lazily per step and forced ("fast-forward") bytes for jump-forward.
 It refuses JSON-schema keywords it does not implement ("Unimplemented keys: [...]") instead of dropping them, so
 what it accepts it enforces; grammars build in about a millisecond, so a compile is a validation plus a template
 matcher that each request copies."""
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ from radixlm.srt.errors import GrammarError
 # Compact JSON with one space after separators, as the xgrammar backend writes it; no free whitespace, which a
 # small model would otherwise fill with newlines until its token limit.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[([^\]]*)\]')
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
 def json_grammar(schema_text: str) -> str:
@@ -82,7 +83,7 @@ def one_line(message: str) -> str:
     if not lines:
         return "invalid grammar"
     why = next((ln for ln in lines[1:] if ln.startswith("error:")), None)
-    return lines[0] if why is None else f"{lines[0].rstrip(':')}: {why[len('error:'):].strip()}"
+    return lines[0] if why is None else f"{lines[0].rstrip(':')}: {why[len('error:') :].strip()}"
 
 
 def unimplemented_keys(message: str) -> list[str]:
@@ -129,8 +130,9 @@ class LLGuidanceMatcher(Matcher):
         view = bitmask if bitmask.is_contiguous() else None
         if view is None or len(rows) < 2:
             return super().fill_masks(rows, bitmask)
-        _executor().unsafe_compute_mask_ptr([(m.m, row) for m, row in rows], view.data_ptr(),
-                                            view.shape[1] * 4, view.shape[0])
+        _executor().unsafe_compute_mask_ptr(
+            [(m.m, row) for m, row in rows], view.data_ptr(), view.shape[1] * 4, view.shape[0]
+        )
 
 
 @functools.cache

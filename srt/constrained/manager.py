@@ -9,6 +9,7 @@ sharing the cores with the forward pass can run for seconds by the clock, and lo
 (at the lowest priority it gets about 1/70 of a core beside busy torch threads) until its request times out.
 Lowering is one-way for an unprivileged process, which is why each compile has its own thread instead of a pool's
 reused one."""
+
 from __future__ import annotations
 
 import logging
@@ -115,6 +116,7 @@ class GrammarTicket:
     it joined one already running): a compile waiting for a free worker has not started yet, and a burst of
     distinct grammars on a small host may queue for longer than the limit. The wait for a worker is bounded too:
     it fails only if no worker has come free (no compile started or ended) for the whole limit."""
+
     spec: GrammarSpec
     future: Future
     created: float
@@ -129,11 +131,16 @@ class GrammarTicket:
         started = self.manager.started_at(self.future)
         if started is not None:
             if now - max(started, self.created) > limit:
-                return GrammarTimeout(f"compiling the {self.spec.describe()} took longer than {limit:.0f} s "
-                                      "(--grammar-compile-timeout); simplify it", param=self.spec.kind)
+                return GrammarTimeout(
+                    f"compiling the {self.spec.describe()} took longer than {limit:.0f} s "
+                    "(--grammar-compile-timeout); simplify it",
+                    param=self.spec.kind,
+                )
         elif now - max(self.created, self.manager.last_progress) > limit:
-            return GrammarWorkersBusy(f"no grammar compile worker came free in {limit:.0f} s: slow compiles "
-                                      "hold them all; retry later", param=self.spec.kind)
+            return GrammarWorkersBusy(
+                f"no grammar compile worker came free in {limit:.0f} s: slow compiles hold them all; retry later",
+                param=self.spec.kind,
+            )
         return None
 
 
@@ -204,8 +211,11 @@ class GrammarManager:
             self._wake.wait(0.25 if self._active else None)
             self._wake.clear()
             with self._lock:
-                slow = [f for f, (_, clock, demoted, _) in self._active.items()
-                        if not demoted and _cpu_seconds(clock) > DEMOTE_AFTER_S]
+                slow = [
+                    f
+                    for f, (_, clock, demoted, _) in self._active.items()
+                    if not demoted and _cpu_seconds(clock) > DEMOTE_AFTER_S
+                ]
             for fut in slow:
                 self._demote(fut, f"has used more than {DEMOTE_AFTER_S:.0f} s of CPU time")
 
@@ -219,8 +229,10 @@ class GrammarManager:
         except Exception as e:  # a backend bug or a panic: still only this request's problem
             self.stats.failures += 1
             logger.warning("grammar compile crashed: %s: %s", type(e).__name__, e)
-            raise GrammarError(f"the {spec.describe()} cannot be compiled: {type(e).__name__}: {e}",
-                               param="tools" if spec.kind == "tool_call" else spec.kind) from None
+            raise GrammarError(
+                f"the {spec.describe()} cannot be compiled: {type(e).__name__}: {e}",
+                param="tools" if spec.kind == "tool_call" else spec.kind,
+            ) from None
         finally:
             self.stats.compiles += 1
             self.stats.observe_compile(time.perf_counter() - start)

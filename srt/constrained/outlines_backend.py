@@ -1,5 +1,6 @@
 """outlines-core: regex and JSON schema (through its schema-to-regex translation) as a DFA indexed over our
 tokenizer's vocabulary. No EBNF. It knows one EOS id; other stop ids are allowed wherever EOS is."""
+
 from __future__ import annotations
 
 import json
@@ -126,8 +127,9 @@ class OutlinesBackend(GrammarBackend):
         # JSON grammars index a vocabulary without the tokens holding raw control characters: outlines-core puts a
         # string's `pattern` into the JSON regex as it is, so `.` or `[^a]` would let U+0000-U+001F into a string,
         # where JSON requires them escaped. Whitespace between JSON values is optional, so nothing needs them.
-        self.json_vocabulary = Vocabulary(self.eos_id, {b: ids for b, ids in table.items()
-                                                        if not any(x < 0x20 for x in b)})
+        self.json_vocabulary = Vocabulary(
+            self.eos_id, {b: ids for b, ids in table.items() if not any(x < 0x20 for x in b)}
+        )
         self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -135,8 +137,11 @@ class OutlinesBackend(GrammarBackend):
         from outlines_core.json_schema import build_regex_from_schema
 
         if spec.kind == "ebnf":
-            raise GrammarError("EBNF grammars are not supported by the outlines grammar backend; start the "
-                               "server with --grammar-backend auto", param="ebnf")
+            raise GrammarError(
+                "EBNF grammars are not supported by the outlines grammar backend; start the "
+                "server with --grammar-backend auto",
+                param="ebnf",
+            )
         if spec.kind == "regex":
             regex = spec.spec
         elif spec.kind == "choices":

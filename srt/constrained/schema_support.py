@@ -6,6 +6,7 @@ those up front with a 400 naming the keyword. The table comes from probing outli
 0.2.8 with valid and invalid instances of every keyword (see tests/constrained/test_json_schema_corpus.py).
 Over-restrictive behaviour (declared property order, no extra keys beside `properties`) is accepted: outputs
 still validate."""
+
 from __future__ import annotations
 
 # keyword -> why, for keywords neither engine enforces
@@ -39,26 +40,103 @@ _IGNORED_BY_XGRAMMAR = {
 }
 _OUTLINES_FORMATS = {"date", "date-time", "time", "email", "uuid", "uri"}
 _FIXED_LENGTH_FORMATS = {"uuid": 36, "date": 10}
-_REF_SIBLINGS_OK = {"$ref", "title", "description", "$comment", "default", "examples", "$defs", "definitions",
-                    "$schema", "$id"}
+_REF_SIBLINGS_OK = {
+    "$ref",
+    "title",
+    "description",
+    "$comment",
+    "default",
+    "examples",
+    "$defs",
+    "definitions",
+    "$schema",
+    "$id",
+}
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-                  "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_INT64 = 2 ** 63
+_SUBSCHEMA_ONE = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
+_INT64 = 2**63
 # The formats JSON Schema (2020-12) defines. Any other `format` is an annotation: validators ignore it, so it is
 # dropped before a backend sees it (llguidance refuses formats it does not know, outlines too).
-DEFINED_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4",
-                   "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
-                   "relative-json-pointer", "regex"}
+DEFINED_FORMATS = {
+    "date-time",
+    "date",
+    "time",
+    "duration",
+    "email",
+    "idn-email",
+    "hostname",
+    "idn-hostname",
+    "ipv4",
+    "ipv6",
+    "uri",
+    "uri-reference",
+    "iri",
+    "iri-reference",
+    "uuid",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+    "regex",
+}
 # Keywords that constrain or apply subschemas (2020-12 and the older drafts' `dependencies`, tuple `items`):
 # anything else beside a $ref is an annotation ($comment, title, x-..., a tool's own metadata) and is harmless.
-_ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
-               "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains",
-               "minContains", "maxProperties", "minProperties", "required", "dependentRequired", "format",
-               "properties", "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
-               "additionalItems", "contains", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
-               "dependentSchemas", "dependencies", "unevaluatedItems", "unevaluatedProperties", "$ref", "$dynamicRef"}
+_ASSERTIONS = {
+    "type",
+    "enum",
+    "const",
+    "multipleOf",
+    "maximum",
+    "exclusiveMaximum",
+    "minimum",
+    "exclusiveMinimum",
+    "maxLength",
+    "minLength",
+    "pattern",
+    "maxItems",
+    "minItems",
+    "uniqueItems",
+    "maxContains",
+    "minContains",
+    "maxProperties",
+    "minProperties",
+    "required",
+    "dependentRequired",
+    "format",
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "propertyNames",
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "contains",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "$ref",
+    "$dynamicRef",
+}
 
 
 def map_schemas(schema, fn):
@@ -81,10 +159,14 @@ def map_schemas(schema, fn):
 
 def drop_unknown_formats(schema):
     """A copy of `schema` without `format`s that JSON Schema does not define (annotations by the spec)."""
+
     def drop(node: dict) -> dict:
         fmt = node.get("format")
-        return {k: v for k, v in node.items() if k != "format"} if isinstance(fmt, str) and \
-            fmt not in DEFINED_FORMATS else node
+        return (
+            {k: v for k, v in node.items() if k != "format"}
+            if isinstance(fmt, str) and fmt not in DEFINED_FORMATS
+            else node
+        )
 
     return map_schemas(schema, drop)
 
@@ -93,6 +175,7 @@ def anchor_patterns(schema):
     """A copy of `schema` whose string `pattern`s must match the whole string. JSON Schema's patterns match
     anywhere in it, so `[0-9]{5}` admits any text holding five digits, which a model may fill to its token
     limit; xgrammar and outlines anchor patterns, and what an anchored pattern admits still validates."""
+
     def anchor(node: dict) -> dict:
         p = node.get("pattern")
         return {**node, "pattern": f"^(?:{p})$"} if isinstance(p, str) else node
@@ -156,7 +239,11 @@ def _check_node(s: dict, path: str, backend: str, is_property: bool):
     if isinstance(s.get("allOf"), list) and (len(s["allOf"]) > 1 or backend == "outlines"):
         return path, "allOf", "schema intersections are not enforced by grammar engines; merge the branches"
     if isinstance(s.get("oneOf"), list) and not _disjoint(s["oneOf"]):
-        return path, "oneOf", "branches that may overlap are enforced as anyOf; give each branch a distinct type or const"
+        return (
+            path,
+            "oneOf",
+            "branches that may overlap are enforced as anyOf; give each branch a distinct type or const",
+        )
     fmt = s.get("format")
     if isinstance(fmt, str) and ("minLength" in s or "maxLength" in s):
         # outlines keeps the length and drops the format; xgrammar keeps the format and drops the length, which
@@ -164,12 +251,21 @@ def _check_node(s: dict, path: str, backend: str, is_property: bool):
         n = _FIXED_LENGTH_FORMATS.get(fmt)
         if backend == "outlines" or n is None or not s.get("minLength", 0) <= n <= s.get("maxLength", n):
             kw = "minLength" if "minLength" in s else "maxLength"
-            return path, kw, ("a length bound together with a format is not enforced (one of the two is dropped); "
-                              "drop the bound or write the format as a pattern")
+            return (
+                path,
+                kw,
+                (
+                    "a length bound together with a format is not enforced (one of the two is dropped); "
+                    "drop the bound or write the format as a pattern"
+                ),
+            )
     if backend == "outlines" and isinstance(fmt, str) and fmt not in _OUTLINES_FORMATS:
         return path, "format", f"format {fmt!r} is not supported by outlines (it knows {sorted(_OUTLINES_FORMATS)})"
-    if backend == "outlines" and is_property and not (set(s) - {"title", "description", "$comment", "default",
-                                                                 "examples"}):
+    if (
+        backend == "outlines"
+        and is_property
+        and not (set(s) - {"title", "description", "$comment", "default", "examples"})
+    ):
         return path, "{}", "a property with no type (any value) is not supported by outlines; give it a type"
     if backend == "xgrammar":
         if "multipleOf" in s and s.get("type") != "integer":
@@ -185,8 +281,11 @@ def _disjoint(branches: list) -> bool:
     """Provably non-overlapping: each branch a different JSON type, or a different const / enum values on one
     shared discriminating property."""
     types = [b.get("type") if isinstance(b, dict) else None for b in branches]
-    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types) and \
-            not {"integer", "number"} <= set(types):
+    if (
+        all(isinstance(t, str) for t in types)
+        and len(set(types)) == len(types)
+        and not {"integer", "number"} <= set(types)
+    ):
         return True
     consts = [b.get("const", _NO) if isinstance(b, dict) else _NO for b in branches]
     if all(c is not _NO for c in consts):
@@ -206,8 +305,11 @@ def _discriminated(branches: list) -> bool:
         ok = True
         for b in branches:
             p = b["properties"][key]
-            vals = [p["const"]] if isinstance(p, dict) and "const" in p else \
-                (p.get("enum") if isinstance(p, dict) and isinstance(p.get("enum"), list) else None)
+            vals = (
+                [p["const"]]
+                if isinstance(p, dict) and "const" in p
+                else (p.get("enum") if isinstance(p, dict) and isinstance(p.get("enum"), list) else None)
+            )
             if vals is None or any(repr(v) in seen for v in vals):
                 ok = False
                 break

@@ -1,6 +1,7 @@
 """What users send, checked where requests enter: a grammar's sampling parameters into one GrammarSpec, with
 a 400 naming the problem for anything a backend cannot express (instead of a crash or a silently
 unconstrained answer)."""
+
 from __future__ import annotations
 
 import functools
@@ -33,6 +34,8 @@ def json_depth(value) -> int:
             return deepest
         stack.extend((x, d + 1) for x in v)
     return deepest
+
+
 _LOOKAROUND = re.compile(r"\(\?<?[=!]|\\[1-9]")
 
 
@@ -67,16 +70,18 @@ def _parse_schema(value) -> str:
         except RecursionError:
             too_deep = True
     if too_deep or json_depth(value) > MAX_SCHEMA_DEPTH:
-        raise GrammarError(f"json_schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels",
-                           param="json_schema")
+        raise GrammarError(
+            f"json_schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels", param="json_schema"
+        )
     if not isinstance(value, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object (a schema)", param="json_schema")
     if isinstance(value, dict):
         try:
             Draft202012Validator.check_schema(value)
         except SchemaError as e:
-            raise GrammarError(f"json_schema is not a valid JSON schema: at {e.json_path}: {e.message}",
-                               param="json_schema") from None
+            raise GrammarError(
+                f"json_schema is not a valid JSON schema: at {e.json_path}: {e.message}", param="json_schema"
+            ) from None
     if isinstance(value, dict):
         from radixlm.srt.constrained.schema_support import drop_unknown_formats
 
@@ -85,13 +90,18 @@ def _parse_schema(value) -> str:
 
 
 def grammar_spec(json_schema=None, regex=None, ebnf=None, tool_call=None) -> GrammarSpec | None:
-    given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf),
-                                 ("tool_call", tool_call)) if v is not None]
+    given = [
+        (k, v)
+        for k, v in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf), ("tool_call", tool_call))
+        if v is not None
+    ]
     if not given:
         return None
     if len(given) > 1:
-        raise GrammarError("give at most one of json_schema, regex, ebnf and tools "
-                           f"(got {', '.join(k for k, _ in given)})", param=given[1][0])
+        raise GrammarError(
+            f"give at most one of json_schema, regex, ebnf and tools (got {', '.join(k for k, _ in given)})",
+            param=given[1][0],
+        )
     kind, value = given[0]
     if kind == "json_schema":
         text = parse_json_schema(value)
@@ -108,8 +118,11 @@ def grammar_spec(json_schema=None, regex=None, ebnf=None, tool_call=None) -> Gra
 
 def check_regex(regex: str) -> None:
     if _LOOKAROUND.search(regex):
-        raise GrammarError("regex: lookaround assertions and backreferences are not supported (grammar engines "
-                           "match with finite automata)", param="regex")
+        raise GrammarError(
+            "regex: lookaround assertions and backreferences are not supported (grammar engines "
+            "match with finite automata)",
+            param="regex",
+        )
     try:
         re.compile(regex)
     except re.error as e:
@@ -165,5 +178,6 @@ def check_supported(spec: GrammarSpec, backend: str) -> str:
         if why is None:
             return candidate
         reasons.append(why)
-    raise GrammarError(f"{name}: no grammar backend can enforce this {spec.describe()}: " + "; ".join(reasons),
-                       param=name)
+    raise GrammarError(
+        f"{name}: no grammar backend can enforce this {spec.describe()}: " + "; ".join(reasons), param=name
+    )

@@ -7,6 +7,7 @@
 `call` mode (tool_choice required or a named function): the answer is one such block. `auto` mode: the
 answer is free text that does not start with the opening tag, or tool calls; once the tag begins, the call is
 constrained. Spec (JSON text): {"mode": "call" | "auto", "schema": <one call's JSON schema>}."""
+
 from __future__ import annotations
 
 import json

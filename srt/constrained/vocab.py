@@ -3,6 +3,7 @@
 Byte-level BPE vocabularies (GPT-2 style, SmolLM2, Llama 3, Qwen) spell bytes with printable stand-in
 characters; SentencePiece ones use '▁' for a space and <0xNN> for byte fallback. Special tokens are left out:
 they never match grammar text (EOS is handled by the engines on its own)."""
+
 from __future__ import annotations
 
 import functools

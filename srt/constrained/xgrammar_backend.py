@@ -1,5 +1,6 @@
 """xgrammar: JSON schema, regex, EBNF (GBNF-style), any-JSON, compiled to a pushdown automaton with fast masks,
 native jump-forward strings and rollback."""
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,8 @@ _MAX_ROLLBACK = 64
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (minLength / maxLength) as this class, which
 # lets raw control characters through (JSON requires them escaped: such output does not parse). The same class
 # without U+0000-U+001F replaces it.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 class XGrammarCompiled(CompiledGrammar):
@@ -64,8 +65,9 @@ class XGrammarMatcher(Matcher):
         """All rows in one call on xgrammar's own threads (BatchGrammarMatcher)."""
         if len(rows) < 2:
             return super().fill_masks(rows, bitmask)
-        _batch_matcher().batch_fill_next_token_bitmask([m.m for m, _ in rows], bitmask,
-                                                       indices=[row for _, row in rows])
+        _batch_matcher().batch_fill_next_token_bitmask(
+            [m.m for m, _ in rows], bitmask, indices=[row for _, row in rows]
+        )
 
 
 @functools.cache
@@ -106,8 +108,9 @@ class XGrammarBackend(GrammarBackend):
 
         G = self.xgr.Grammar
         mode, schema = parse_spec(spec)
-        one = G.concat(G.from_regex(regex_escape(BEGIN)), self.json_grammar(json.dumps(schema)),
-                       G.from_regex(regex_escape(END)))
+        one = G.concat(
+            G.from_regex(regex_escape(BEGIN)), self.json_grammar(json.dumps(schema)), G.from_regex(regex_escape(END))
+        )
         calls = one  # one call per answer, as in the outlines backend
         return calls if mode == "call" else G.union(G.from_regex(not_prefixed_regex(BEGIN)), calls)
 

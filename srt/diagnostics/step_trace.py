@@ -6,6 +6,7 @@ tokens, decode riders, outputs), buffered and appended every few hundred steps, 
 so tracing costs the loop no file I/O in between. With the variable unset nothing here is imported and the
 step has no tracing code in it. `benchmarks/itl_tail.py` reads these files beside a client's chunk times.
 """
+
 from __future__ import annotations
 
 import atexit

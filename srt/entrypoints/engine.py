@@ -1,4 +1,5 @@
 """The in-process Engine: the offline batch API, driving the scheduler core directly (no processes)."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,12 +12,18 @@ import torch
 
 from radixlm.srt.errors import InvalidRequest
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
-from radixlm.srt.scheduler.req import Req
-from radixlm.srt.managers.request_prep import (PreparedInput, check_logprob_args, expand, normalize_inputs,
-                                               per_prompt_params, tokenize)
-from radixlm.srt.scheduler.scheduler import Scheduler
+from radixlm.srt.managers.request_prep import (
+    PreparedInput,
+    check_logprob_args,
+    expand,
+    normalize_inputs,
+    per_prompt_params,
+    tokenize,
+)
 from radixlm.srt.model_executor.model_runner import ModelRunner
 from radixlm.srt.model_loader.loader import load_model
+from radixlm.srt.scheduler.req import Req
+from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -32,10 +39,16 @@ class Engine:
         self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         torch.manual_seed(args.random_seed)
-        self.loaded = load_model(args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
-                                 device=args.device, context_length=args.context_length,
-                                 served_model_name=args.served_model_name, load_format=args.load_format,
-                                 quantization=args.quantization)
+        self.loaded = load_model(
+            args.model_path,
+            tokenizer_path=args.tokenizer_path,
+            dtype=args.dtype,
+            device=args.device,
+            context_length=args.context_length,
+            served_model_name=args.served_model_name,
+            load_format=args.load_format,
+            quantization=args.quantization,
+        )
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, args)
         self.scheduler = Scheduler(self.runner, self.tokenizer, args)
@@ -46,12 +59,23 @@ class Engine:
         self._undelivered: list[dict] = []
 
     # --- generation ----------------------------------------------------------------------------------------
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, *, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, logprob_start_len: int = -1, stream: bool = False, rid=None):
+    def generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        rid=None,
+    ):
         """Text or token ids, single or batch. Returns a dict (a list for a batch or n > 1), or with
         stream=True an iterator of dicts whose `text` grows."""
-        rids, batched = self._submit(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                     logprob_start_len, stream, rid)
+        rids, batched = self._submit(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+        )
         if stream:
             return self._follow(rids)
         results = {item["meta_info"]["id"]: item for item in self._follow(rids) if item["finished"]}
@@ -67,11 +91,21 @@ class Engine:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     # --- step-level API (what generate() is built on) ----------------------------------------------------
-    def add_request(self, prompt=None, sampling_params=None, input_ids=None, *, return_logprob: bool = False,
-                    top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None) -> list[str]:
+    def add_request(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        rid=None,
+    ) -> list[str]:
         """Queue requests without running them; returns their ids (one per prompt and sample)."""
-        return self._submit(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                            logprob_start_len, False, rid)[0]
+        return self._submit(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len, False, rid
+        )[0]
 
     def step(self) -> list[dict]:
         """Run one scheduler step; returns a progress dict for every request that advanced or finished."""
@@ -85,8 +119,9 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._state)
 
-    def _submit(self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len,
-                stream, rid) -> tuple[list[str], bool]:
+    def _submit(
+        self, prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len, stream, rid
+    ) -> tuple[list[str], bool]:
         prompts, batched = normalize_inputs(prompt, input_ids)
         params = per_prompt_params(sampling_params, len(prompts))
         check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len)
@@ -97,10 +132,17 @@ class Engine:
         reqs: list[Req] = []
         for p, sp, r in zip(prompts, params, rids):
             ids, text = tokenize(self.tokenizer, p)
-            reqs += expand(PreparedInput(ids, text, sp), rid=r if r is not None else f"engine-{next(self._ids)}",
-                           eos_ids=eos, rng=self._rng, return_logprob=return_logprob,
-                           top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream,
-                           grammar_backend=self.server_args.grammar_backend)
+            reqs += expand(
+                PreparedInput(ids, text, sp),
+                rid=r if r is not None else f"engine-{next(self._ids)}",
+                eos_ids=eos,
+                rng=self._rng,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
+                stream=stream,
+                grammar_backend=self.server_args.grammar_backend,
+            )
         taken = [r.rid for r in reqs if r.rid in self._state]
         if taken or len({r.rid for r in reqs}) != len(reqs):
             raise InvalidRequest(f"request id {(taken or [reqs[0].rid])[0]!r} is already in use", param="rid")
@@ -109,9 +151,13 @@ class Engine:
         now = time.perf_counter()
         for r in reqs:
             p = r.sampling_params
-            self.detokenizer.register(r.rid, skip_special_tokens=p.skip_special_tokens,
-                                      spaces_between_special_tokens=p.spaces_between_special_tokens,
-                                      stop=p.stop, no_stop_trim=p.no_stop_trim)
+            self.detokenizer.register(
+                r.rid,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens,
+                stop=p.stop,
+                no_stop_trim=p.no_stop_trim,
+            )
             self.scheduler.add(r)
             self._state[r.rid] = {"ids": [], "logprobs": {}, "start": now}
         return [r.rid for r in reqs], batched
@@ -131,12 +177,22 @@ class Engine:
             reason = out.finished_reason
             if reason is not None:
                 del self._state[d.rid]
-            updates.append({"text": d.text, "output_ids": list(s["ids"]), "finished": reason is not None,
-                            "meta_info": {"id": d.rid, "finish_reason": reason and reason.to_dict(),
-                                          "prompt_tokens": out.prompt_tokens,
-                                          "completion_tokens": out.completion_tokens,
-                                          "cached_tokens": out.cached_tokens,
-                                          "e2e_latency": time.perf_counter() - s["start"], **s["logprobs"]}})
+            updates.append(
+                {
+                    "text": d.text,
+                    "output_ids": list(s["ids"]),
+                    "finished": reason is not None,
+                    "meta_info": {
+                        "id": d.rid,
+                        "finish_reason": reason and reason.to_dict(),
+                        "prompt_tokens": out.prompt_tokens,
+                        "completion_tokens": out.completion_tokens,
+                        "cached_tokens": out.cached_tokens,
+                        "e2e_latency": time.perf_counter() - s["start"],
+                        **s["logprobs"],
+                    },
+                }
+            )
         return updates
 
     def _follow(self, rids: list[str]) -> Iterator[dict]:

@@ -2,6 +2,7 @@
 
 Every error leaves as an OpenAI-shaped body {"error": {"message", "type", "param", "code"}}.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,13 +18,23 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixlm.srt.entrypoints.openai.protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest,
-                                                     GenerateRequest, request_error)
-from radixlm.srt.entrypoints.openai.serving import (SSE_DONE, JSONResponse, OpenAIServing, RequestFailed,
-                                                    raise_if_failed, sse)
+from radixlm.srt.entrypoints.openai.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    request_error,
+)
+from radixlm.srt.entrypoints.openai.serving import (
+    SSE_DONE,
+    JSONResponse,
+    OpenAIServing,
+    RequestFailed,
+    raise_if_failed,
+    sse,
+)
 from radixlm.srt.errors import InvalidRequest, RadixLMError
-from radixlm.srt.managers.request_prep import (PreparedInput, check_logprob_args, normalize_inputs,
-                                               per_prompt_params)
+from radixlm.srt.managers.request_prep import PreparedInput, check_logprob_args, normalize_inputs, per_prompt_params
 from radixlm.srt.managers.tokenizer_manager import ServiceUnavailable, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -46,14 +57,19 @@ async def read_json(request: Request, limit: int):
     """The body as JSON: 413 past `limit` bytes, 400 for bytes that are not UTF-8, 422 for broken JSON."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _HTTPError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes",
-                         "invalid_request_error", "request_too_large")
+        raise _HTTPError(
+            413,
+            f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes",
+            "invalid_request_error",
+            "request_too_large",
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _HTTPError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
-                             "request_too_large")
+            raise _HTTPError(
+                413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error", "request_too_large"
+            )
         chunks.append(chunk)
     body = b"".join(chunks)
     try:
@@ -67,8 +83,9 @@ async def read_json(request: Request, limit: int):
     except json.JSONDecodeError as e:
         raise _HTTPError(422, f"malformed JSON body: {e}", "invalid_request_error", "malformed_json") from None
     except RecursionError:  # orjson stops at 1024 levels; the stdlib runs out of stack
-        raise _HTTPError(400, "JSON body nests objects and arrays too deeply", "invalid_request_error",
-                         "malformed_json") from None
+        raise _HTTPError(
+            400, "JSON body nests objects and arrays too deeply", "invalid_request_error", "malformed_json"
+        ) from None
 
 
 def parse(model: type[BaseModel], data) -> BaseModel:
@@ -87,8 +104,9 @@ def logprobs_with_text(meta: dict, decode: Callable[[int], str]) -> dict:
         if key in meta:
             meta[key] = [(lp, tid, decode(tid)) for lp, tid in meta[key]]
     if "output_top_logprobs" in meta:
-        meta["output_top_logprobs"] = [None if top is None else [(lp, tid, decode(tid)) for lp, tid in top]
-                                       for top in meta["output_top_logprobs"]]
+        meta["output_top_logprobs"] = [
+            None if top is None else [(lp, tid, decode(tid)) for lp, tid in top] for top in meta["output_top_logprobs"]
+        ]
     return meta
 
 
@@ -109,8 +127,9 @@ class _Guard:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if auth != f"Bearer {self.api_key}" and headers.get(b"x-api-key", b"").decode("latin-1") != self.api_key:
                 self.metrics.http(path, 401)
-                return await error_response(_HTTPError(401, "invalid or missing API key", "authentication_error",
-                                                       "invalid_api_key"))(scope, receive, send)
+                return await error_response(
+                    _HTTPError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+                )(scope, receive, send)
         status = 500  # what the server's error handler answers if the app raises before it starts a response
 
         async def send_seen(message) -> None:
@@ -125,8 +144,15 @@ class _Guard:
             self.metrics.http(path if status != 404 else "unknown", status)
 
 
-def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, model_path: str,
-               children_alive: Callable[[], bool], lifespan=None) -> FastAPI:
+def create_app(
+    tm: TokenizerManager,
+    args,
+    info: dict,
+    served_model_name: str,
+    model_path: str,
+    children_alive: Callable[[], bool],
+    lifespan=None,
+) -> FastAPI:
     app = FastAPI(title="radixlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     openai = OpenAIServing(tm, served_model_name, model_path)
     limit = int(args.max_request_body_mb * (1 << 20))
@@ -141,12 +167,16 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException):
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(_HTTPError(exc.status_code, str(exc.detail), kind, kind if exc.status_code == 404 else None))
+        return error_response(
+            _HTTPError(exc.status_code, str(exc.detail), kind, kind if exc.status_code == 404 else None)
+        )
 
     @app.exception_handler(Exception)
     async def crash(_request, exc: Exception):
         logger.exception("unhandled error")
-        return error_response(_HTTPError(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error"))
+        return error_response(
+            _HTTPError(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+        )
 
     # --- health and info -------------------------------------------------------------------------------
     @app.get("/health")
@@ -170,30 +200,42 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": model_path, "served_model_name": served_model_name,
-                "tokenizer_path": info.get("tokenizer_path"), "is_generation": True,
-                "architecture": info["architecture"], "context_length": info["context_length"],
-                "vocab_size": info["vocab_size"], "dtype": info["dtype"], "device": info["device"],
-                "quantization": info.get("quantization"),
-                # the frontend language renders role blocks with it, as the chat route does
-                "chat_template": getattr(tm.tokenizer, "chat_template", None)}
+        return {
+            "model_path": model_path,
+            "served_model_name": served_model_name,
+            "tokenizer_path": info.get("tokenizer_path"),
+            "is_generation": True,
+            "architecture": info["architecture"],
+            "context_length": info["context_length"],
+            "vocab_size": info["vocab_size"],
+            "dtype": info["dtype"],
+            "device": info["device"],
+            "quantization": info.get("quantization"),
+            # the frontend language renders role blocks with it, as the chat route does
+            "chat_template": getattr(tm.tokenizer, "chat_template", None),
+        }
 
     @app.get("/get_server_info")
     async def server_info():
         stats = (await tm.control("get_stats")).payload
         metrics.set_scheduler_stats(stats)
-        return {"server_args": asdict(args) | {"api_key": "***" if args.api_key else None},
-                "scheduler": stats, "max_total_tokens": info["max_total_tokens"],
-                "requests_in_flight": len(tm.states), "version": info.get("version"),
-                "process_ids": info.get("process_ids"),
-                "http_cpu_guard": tm.cpu_guard.state() if tm.cpu_guard is not None else None}
+        return {
+            "server_args": asdict(args) | {"api_key": "***" if args.api_key else None},
+            "scheduler": stats,
+            "max_total_tokens": info["max_total_tokens"],
+            "requests_in_flight": len(tm.states),
+            "version": info.get("version"),
+            "process_ids": info.get("process_ids"),
+            "http_cpu_guard": tm.cpu_guard.state() if tm.cpu_guard is not None else None,
+        }
 
     @app.post("/flush_cache")
     async def flush_cache():
         resp = await tm.control("flush_cache")
         if not resp.ok:
-            raise _HTTPError(400, "cache not flushed: requests are running or waiting", "invalid_request_error",
-                             "requests_in_flight")
+            raise _HTTPError(
+                400, "cache not flushed: requests are running or waiting", "invalid_request_error", "requests_in_flight"
+            )
         return {"success": True, "message": "Cache flushed."}
 
     @app.get("/metrics")
@@ -219,6 +261,7 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         prompts, batched = normalize_inputs(req.text, req.input_ids)
         sp = req.sampling_params
         if any(isinstance(d, dict) and _GRAMMAR_KEYS & set(d) for d in (sp if isinstance(sp, list) else [sp])):
+
             def build():  # large schemas take tenths of a second to check: off the event loop (see OpenAIServing)
                 ps = per_prompt_params(sp, len(prompts))
                 for p in ps:
@@ -233,8 +276,14 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(inputs)
         if len(rids) != len(inputs):
             raise InvalidRequest(f"got {len(rids)} rids for {len(inputs)} prompts", param="rid")
-        states = tm.submit(inputs, return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-                           logprob_start_len=req.logprob_start_len, stream=req.stream, rids=rids)
+        states = tm.submit(
+            inputs,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            logprob_start_len=req.logprob_start_len,
+            stream=req.stream,
+            rids=rids,
+        )
         many = batched or len(states) > 1
 
         def item(st, text: str, output_ids: list[int], meta: dict):
@@ -246,6 +295,7 @@ def create_app(tm: TokenizerManager, args, info: dict, served_model_name: str, m
             return out
 
         if req.stream:
+
             async def events():
                 # Each chunk is the request as of its update (text and ids so far), not as the state is now: a
                 # handler that lags behind may find the state further on, or finished, with updates still queued.

@@ -3,6 +3,7 @@
 If a child dies, the server logs why, fails what is in flight and exits non-zero within seconds. SIGINT/SIGTERM
 shut everything down and remove the private socket directory.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,16 @@ class ServerProcesses:
         pipes = {}
         targets = {
             "scheduler": (run_scheduler_process, (self.args, model_path, tokenizer_path, self.endpoints, pid)),
-            "detokenizer": (run_detokenizer_process, (self.args.log_level, tokenizer_path, self.endpoints, pid,
-                                                      guard_wanted(self.args.scheduler_cpus, self.args.device))),
+            "detokenizer": (
+                run_detokenizer_process,
+                (
+                    self.args.log_level,
+                    tokenizer_path,
+                    self.endpoints,
+                    pid,
+                    guard_wanted(self.args.scheduler_cpus, self.args.device),
+                ),
+            ),
         }
         for name, (fn, fn_args) in targets.items():
             recv, send = ctx.Pipe(duplex=False)
@@ -152,15 +161,29 @@ def launch_server(args: ServerArgs) -> int:
         freeze_startup_objects()  # the tokenizer, app and imports
         exit_code["served"] = True
         task = asyncio.create_task(watchdog())
-        logger.info("radixlm ready: %s on http://%s:%d (%s, %s, KV cache %d tokens)", resolved.served_model_name,
-                    args.host, args.port, info["device"], info["dtype"], info["max_total_tokens"])
+        logger.info(
+            "radixlm ready: %s on http://%s:%d (%s, %s, KV cache %d tokens)",
+            resolved.served_model_name,
+            args.host,
+            args.port,
+            info["device"],
+            info["dtype"],
+            info["max_total_tokens"],
+        )
         yield
         procs.stopping = True
         task.cancel()
 
     app = create_app(tm, args, info, resolved.served_model_name, resolved.model_path, procs.alive, lifespan)
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
-                            timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=args.log_level == "debug",
+    )
     server = uvicorn.Server(config)
     # uvicorn handles SIGINT/SIGTERM while serving and re-raises the signal once it has stopped; by then the
     # shutdown is ours to finish (children, sockets, exit code), so the re-raised signal must do nothing.

@@ -1,5 +1,6 @@
 """Weight-holding building blocks. Parameters start uninitialised: every value comes from the checkpoint.
 Layers that compute through a kernel hold the runner's `KernelOps` set in `ops` (torch references by default)."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -65,4 +66,3 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rmsnorm(x, self.weight, self.eps)
         return self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
-

@@ -1,6 +1,7 @@
 """The small per-layer ops a forward is made of, as one swappable set: torch references (CPU, and the
 fallback), our Triton kernels (CUDA), or FlashInfer's where they measure faster. The model runner picks the
 set once and hands it to the model (`set_kernel_ops`); layers never branch on the device."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -58,8 +59,7 @@ def triton_ops() -> KernelOps:
     from radixlm.kernels.rope import rope_and_store
 
     linear, gate_up_silu, tuner = _skinny_linears(silu_and_mul)
-    return KernelOps("triton", rmsnorm, fused_add_rmsnorm_, silu_and_mul, rope_and_store, linear, gate_up_silu,
-                     tuner)
+    return KernelOps("triton", rmsnorm, fused_add_rmsnorm_, silu_and_mul, rope_and_store, linear, gate_up_silu, tuner)
 
 
 def flashinfer_ops() -> KernelOps:
@@ -74,8 +74,16 @@ def flashinfer_ops() -> KernelOps:
         return x, residual
 
     linear, gate_up_silu, tuner = _skinny_linears(flashinfer.activation.silu_and_mul)
-    return KernelOps("flashinfer", lambda x, w, eps: flashinfer.norm.rmsnorm(x, w, eps), fused_add,
-                     flashinfer.activation.silu_and_mul, rope_and_store, linear, gate_up_silu, tuner)
+    return KernelOps(
+        "flashinfer",
+        lambda x, w, eps: flashinfer.norm.rmsnorm(x, w, eps),
+        fused_add,
+        flashinfer.activation.silu_and_mul,
+        rope_and_store,
+        linear,
+        gate_up_silu,
+        tuner,
+    )
 
 
 def select_kernel_ops(name: str, device: torch.device) -> KernelOps:

@@ -1,4 +1,5 @@
 """Rotary position embedding (rotate-half layout), with linear and Llama-3 frequency scaling."""
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ def _inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
-    raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)",
-                         param="model_path")
+    raise ModelLoadError(
+        f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)", param="model_path"
+    )
 
 
 class RotaryEmbedding(nn.Module):

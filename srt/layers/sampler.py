@@ -3,6 +3,7 @@
 Randomness is counter-based: the noise for (request seed, step, token) is a hash, so a request samples the
 same tokens whatever batch it runs in, and after a retraction it regenerates exactly what it had.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

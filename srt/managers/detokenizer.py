@@ -5,6 +5,7 @@ decode a short window before the new tokens and emit only what the window adds o
 incomplete character. Stop strings are trimmed from the final text, and while streaming we hold back any
 tail that might still grow into a stop string.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -41,8 +42,15 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.states: dict[str, _State] = {}
 
-    def register(self, rid: str, *, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 stop: list[str] | None = None, no_stop_trim: bool = False) -> None:
+    def register(
+        self,
+        rid: str,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        no_stop_trim: bool = False,
+    ) -> None:
         self.states[rid] = _State(skip_special_tokens, spaces_between_special_tokens, list(stop or []), no_stop_trim)
 
     def discard(self, rid: str) -> None:

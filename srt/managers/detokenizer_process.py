@@ -1,4 +1,5 @@
 """The detokenizer process: token ids from the scheduler in, text deltas to the tokenizer manager out."""
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,9 @@ from radixlm.srt.utils import configure_logging, die_with_parent, freeze_startup
 logger = logging.getLogger(__name__)
 
 
-def run_detokenizer_process(log_level: str, tokenizer_path: str, endpoints: dict, parent_pid: int,
-                            cpu_guard: bool, ready) -> None:
+def run_detokenizer_process(
+    log_level: str, tokenizer_path: str, endpoints: dict, parent_pid: int, cpu_guard: bool, ready
+) -> None:
     die_with_parent()
     configure_logging(log_level, "[detokenizer] ")
     started = read_lost_ticks()

@@ -1,5 +1,6 @@
 """Typed messages between the tokenizer manager, scheduler and detokenizer: msgspec structs, msgpack on the
 wire (never pickle from a socket). One tagged union per direction."""
+
 from __future__ import annotations
 
 from typing import Any, Union
@@ -28,8 +29,9 @@ class FinishReason(msgspec.Struct, omit_defaults=True):
         return cls("length", length=n)
 
     @classmethod
-    def abort(cls, message: str = "request aborted", status_code: int | None = None,
-              param: str | None = None) -> FinishReason:
+    def abort(
+        cls, message: str = "request aborted", status_code: int | None = None, param: str | None = None
+    ) -> FinishReason:
         return cls("abort", message=message, status_code=status_code, param=param)
 
     @property

@@ -2,6 +2,7 @@
 
 Shared by the in-process Engine and the server's TokenizerManager so both validate identically.
 """
+
 from __future__ import annotations
 
 import random
@@ -9,8 +10,8 @@ import uuid
 from dataclasses import dataclass
 
 from radixlm.srt.errors import ContextLengthExceeded, InvalidRequest
-from radixlm.srt.scheduler.req import Req
 from radixlm.srt.sampling.sampling_params import SamplingParams
+from radixlm.srt.scheduler.req import Req
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -35,12 +36,17 @@ def normalize_inputs(prompt=None, input_ids=None) -> tuple[list[str | list[int]]
         return [value], False
     if isinstance(value, list) and value and all(_is_token(t) for t in value):
         return [value], False
-    if isinstance(value, list) and value and all(isinstance(v, str) or (isinstance(v, list) and all(_is_token(t) for t in v)) for v in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, str) or (isinstance(v, list) and all(_is_token(t) for t in v)) for v in value)
+    ):
         return list(value), True
     if isinstance(value, list) and not value:
         raise InvalidRequest("the prompt is empty", param="prompt")
-    raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids, or a list of such lists",
-                         param="prompt")
+    raise InvalidRequest(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of such lists", param="prompt"
+    )
 
 
 def _is_token(t) -> bool:
@@ -50,8 +56,9 @@ def _is_token(t) -> bool:
 def per_prompt_params(sampling_params, count: int) -> list[SamplingParams]:
     if isinstance(sampling_params, list):
         if len(sampling_params) != count:
-            raise InvalidRequest(f"got {len(sampling_params)} sampling_params for {count} prompts",
-                                 param="sampling_params")
+            raise InvalidRequest(
+                f"got {len(sampling_params)} sampling_params for {count} prompts", param="sampling_params"
+            )
         return [_params(p) for p in sampling_params]
     one = _params(sampling_params)
     return [one] * count
@@ -100,9 +107,18 @@ def stop_token_ids(params: SamplingParams, eos_ids: list[int]) -> frozenset[int]
     return frozenset(ids)
 
 
-def expand(prepared: PreparedInput, *, rid: str | None, eos_ids: list[int], rng: random.Random,
-           return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
-           stream: bool = False, grammar_backend: str | None = None) -> list[Req]:
+def expand(
+    prepared: PreparedInput,
+    *,
+    rid: str | None,
+    eos_ids: list[int],
+    rng: random.Random,
+    return_logprob: bool = False,
+    top_logprobs_num: int = 0,
+    logprob_start_len: int = -1,
+    stream: bool = False,
+    grammar_backend: str | None = None,
+) -> list[Req]:
     """One Req per sample (`n`); samples of one prompt share its KV through the radix cache. With
     `grammar_backend`, a grammar that backend cannot enforce is rejected here (400 naming the feature)."""
     p = prepared.params
@@ -118,16 +134,26 @@ def expand(prepared: PreparedInput, *, rid: str | None, eos_ids: list[int], rng:
             seed = rng.getrandbits(63)
         else:  # sample 0 keeps the user's seed so n=1 and n>1 agree on the first choice
             seed = (p.seed ^ (i * 0x9E3779B97F4A7C15)) & _SEED_MASK
-        reqs.append(Req(rid=base if p.n == 1 else f"{base}-{i}", input_ids=prepared.input_ids, sampling_params=p,
-                        seed=seed, stop_token_ids=stop_token_ids(p, eos_ids), return_logprob=return_logprob,
-                        top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                        logprob_start_len=logprob_start_len if return_logprob else -1, stream=stream,
-                        grammar_spec=spec))
+        reqs.append(
+            Req(
+                rid=base if p.n == 1 else f"{base}-{i}",
+                input_ids=prepared.input_ids,
+                sampling_params=p,
+                seed=seed,
+                stop_token_ids=stop_token_ids(p, eos_ids),
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                logprob_start_len=logprob_start_len if return_logprob else -1,
+                stream=stream,
+                grammar_spec=spec,
+            )
+        )
     return reqs
 
 
-def check_request_limits(input_ids: list[int], params: SamplingParams, context_length: int, kv_size: int,
-                         vocab_size: int) -> int:
+def check_request_limits(
+    input_ids: list[int], params: SamplingParams, context_length: int, kv_size: int, vocab_size: int
+) -> int:
     """Validate a prompt and its parameters against the model and the KV cache; returns the resolved
     max_new_tokens."""
     n, requested = len(input_ids), params.max_new_tokens
@@ -140,16 +166,22 @@ def check_request_limits(input_ids: list[int], params: SamplingParams, context_l
     if n >= context_length:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {context_length} tokens; the prompt has {n} tokens "
-            "and no room is left for generation.", param="prompt")
+            "and no room is left for generation.",
+            param="prompt",
+        )
     if requested is None:
         max_new = context_length - n
     elif n + requested > context_length:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {context_length} tokens. However, you requested "
-            f"{n + requested} tokens ({n} in the prompt, {requested} for the completion).", param="max_tokens")
+            f"{n + requested} tokens ({n} in the prompt, {requested} for the completion).",
+            param="max_tokens",
+        )
     else:
         max_new = requested
     if n + max_new > kv_size:
-        raise InvalidRequest(f"the request needs up to {n + max_new} KV cache slots but the cache holds {kv_size}; "
-                             "lower max_tokens", param="max_tokens")
+        raise InvalidRequest(
+            f"the request needs up to {n + max_new} KV cache slots but the cache holds {kv_size}; lower max_tokens",
+            param="max_tokens",
+        )
     return max_new

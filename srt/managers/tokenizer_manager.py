@@ -1,5 +1,6 @@
 """The tokenizer manager: lives in the HTTP process. Validates and tokenizes requests, sends them to the
 scheduler, and keeps one state (and an update queue per submission) for every request in flight."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +17,18 @@ import zmq
 import zmq.asyncio
 
 from radixlm.srt.constrained.spec import check_supported
-from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
 from radixlm.srt.cpu_guard import CpuGuard, guard_wanted
-from radixlm.srt.managers.io_struct import (AbortReq, BatchStrOutput, ControlReq, ControlResp, FinishReason, GenerateReq,
-                                            TokenizerIn, TokenOutput)
+from radixlm.srt.errors import InvalidRequest, Overloaded, RadixLMError
+from radixlm.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    ControlReq,
+    ControlResp,
+    FinishReason,
+    GenerateReq,
+    TokenizerIn,
+    TokenOutput,
+)
 from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand, tokenize
 from radixlm.srt.metrics import Metrics
 
@@ -82,9 +91,14 @@ class ReqState:
         src = self if upto is None else upto
         n = src.completion_tokens
         reason = self.finish_reason if upto is None else upto.finished_reason
-        m = {"id": self.rid, "finish_reason": None if reason is None else reason.to_dict(),
-             "prompt_tokens": src.prompt_tokens, "completion_tokens": n, "cached_tokens": src.cached_tokens,
-             "e2e_latency": (self.last_token_at or time.perf_counter()) - self.created}
+        m = {
+            "id": self.rid,
+            "finish_reason": None if reason is None else reason.to_dict(),
+            "prompt_tokens": src.prompt_tokens,
+            "completion_tokens": n,
+            "cached_tokens": src.cached_tokens,
+            "e2e_latency": (self.last_token_at or time.perf_counter()) - self.created,
+        }
         if self.output_logprobs:
             m["output_token_logprobs"] = self.output_logprobs[:n]
         if self.output_top_logprobs:
@@ -95,8 +109,14 @@ class ReqState:
 
     def final_output(self) -> TokenOutput:
         """An update with no new tokens that only says this request has finished (aborted or failed here)."""
-        return TokenOutput(self.rid, [], self.prompt_tokens, self.completion_tokens, self.cached_tokens,
-                           finished_reason=self.finish_reason)
+        return TokenOutput(
+            self.rid,
+            [],
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+            finished_reason=self.finish_reason,
+        )
 
 
 class TokenizerManager:
@@ -158,9 +178,16 @@ class TokenizerManager:
         if spec is not None:
             check_supported(spec, self.args.grammar_backend)
 
-    def submit(self, inputs: list[PreparedInput], *, return_logprob: bool = False, top_logprobs_num: int = 0,
-               logprob_start_len: int = -1, stream: bool = False, rids: list[str | None] | None = None
-               ) -> list[ReqState]:
+    def submit(
+        self,
+        inputs: list[PreparedInput],
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        rids: list[str | None] | None = None,
+    ) -> list[ReqState]:
         """Validate everything first (all or nothing), then send one request per prompt and sample."""
         if self.dead:
             raise ServiceUnavailable(f"the server cannot serve requests: {self.dead}")
@@ -169,11 +196,20 @@ class TokenizerManager:
         for i, (prepared, rid) in enumerate(zip(inputs, rids)):
             if rid is not None and (not isinstance(rid, str) or not rid):
                 raise InvalidRequest("rid must be a non-empty string", param="rid")
-            check_request_limits(prepared.input_ids, prepared.params, self.context_length,
-                                 self.kv_size, self.vocab_size)
-            for r in expand(prepared, rid=rid, eos_ids=self.eos_ids, rng=self._rng, return_logprob=return_logprob,
-                            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, stream=stream,
-                            grammar_backend=self.args.grammar_backend):
+            check_request_limits(
+                prepared.input_ids, prepared.params, self.context_length, self.kv_size, self.vocab_size
+            )
+            for r in expand(
+                prepared,
+                rid=rid,
+                eos_ids=self.eos_ids,
+                rng=self._rng,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
+                stream=stream,
+                grammar_backend=self.args.grammar_backend,
+            ):
                 reqs.append((i, prepared, r))
         clash = [r.rid for _, _, r in reqs if r.rid in self.states]
         if clash or len({r.rid for _, _, r in reqs}) != len(reqs):
@@ -184,14 +220,25 @@ class TokenizerManager:
         queue: asyncio.Queue = asyncio.Queue()
         states = []
         for index, (i, prepared, r) in enumerate(reqs):
-            st = ReqState(rid=r.rid, index=index, prompt_index=i, input_ids=r.input_ids,
-                          prompt_text=prepared.text, queue=queue)
+            st = ReqState(
+                rid=r.rid, index=index, prompt_index=i, input_ids=r.input_ids, prompt_text=prepared.text, queue=queue
+            )
             self.states[r.rid] = st
             states.append(st)
-            self.to_scheduler.send(self._encoder.encode(GenerateReq(
-                rid=r.rid, input_ids=r.input_ids, sampling_params=r.sampling_params.to_dict(), seed=r.seed,
-                return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num,
-                logprob_start_len=r.logprob_start_len, stream=stream)))
+            self.to_scheduler.send(
+                self._encoder.encode(
+                    GenerateReq(
+                        rid=r.rid,
+                        input_ids=r.input_ids,
+                        sampling_params=r.sampling_params.to_dict(),
+                        seed=r.seed,
+                        return_logprob=r.return_logprob,
+                        top_logprobs_num=r.top_logprobs_num,
+                        logprob_start_len=r.logprob_start_len,
+                        stream=stream,
+                    )
+                )
+            )
         self.metrics.requests_in_flight.set(len(self.states))
         return states
 
@@ -290,8 +337,11 @@ class TokenizerManager:
                 continue
             st.text += out.delta
             st.output_ids += out.new_ids
-            st.prompt_tokens, st.completion_tokens, st.cached_tokens = (out.prompt_tokens, out.completion_tokens,
-                                                                        out.cached_tokens)
+            st.prompt_tokens, st.completion_tokens, st.cached_tokens = (
+                out.prompt_tokens,
+                out.completion_tokens,
+                out.cached_tokens,
+            )
             if out.input_logprobs:
                 st.input_logprobs = list(out.input_logprobs)
             if out.output_logprobs:
@@ -313,4 +363,3 @@ class TokenizerManager:
                 self.metrics.on_finish(st, now)
                 self.metrics.requests_in_flight.set(len(self.states))
             st.queue.put_nowait((st, out))
-

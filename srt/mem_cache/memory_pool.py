@@ -1,4 +1,5 @@
 """KV memory: a request->token slot table and the per-layer K/V slot pools (page size 1)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ class ReqToTokenPool:
         # so they attend to slot 0 (the padding slot) only.
         self.dummy_row = size
         self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
-        self.host = self.req_to_token if device.type == "cpu" else torch.zeros((size + 1, max_context_len),
-                                                                               dtype=torch.int32)
+        self.host = (
+            self.req_to_token if device.type == "cpu" else torch.zeros((size + 1, max_context_len), dtype=torch.int32)
+        )
         self._free = list(range(size - 1, -1, -1))
 
     def alloc(self) -> int | None:
@@ -36,7 +38,9 @@ class ReqToTokenPool:
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
         self.host[idx, start : start + len(slots)] = slots
         if self.host is not self.req_to_token:
-            self.req_to_token[idx, start : start + len(slots)] = to_device(slots.to(torch.int32), self.req_to_token.device)
+            self.req_to_token[idx, start : start + len(slots)] = to_device(
+                slots.to(torch.int32), self.req_to_token.device
+            )
 
     def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], cols[i]] = slots[i] (host tensors)."""
@@ -55,8 +59,9 @@ class TokenToKVPool:
     The free list lives on the host: allocation is scheduler bookkeeping and must never sync the device.
     """
 
-    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ):
         self.size = size
         self.dtype = dtype
         self.device = device

@@ -4,6 +4,7 @@ Ownership: every KV slot is in exactly one of {the pool's free list, a tree node
 tail}. A running request holds a lock on the node ending its shared prefix; a locked node and its ancestors are
 never evicted. Eviction frees least-recently-used unlocked leaves, found through a lazily-updated heap.
 """
+
 from __future__ import annotations
 
 import heapq

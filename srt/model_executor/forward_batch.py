@@ -4,6 +4,7 @@ Every index the batch needs travels to the device in one packed copy. Input ids 
 id -(j + 1) stands for the token sampled into slot j of the runner's future map by an earlier step that the
 host has not read back yet (overlap scheduling); they are resolved on the device, with no round trip.
 """
+
 from __future__ import annotations
 
 import enum
@@ -63,10 +64,21 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
     @classmethod
-    def build(cls, mode: ForwardMode, device: torch.device, *, input_ids: list[int], positions: list[int],
-              req_pool_indices: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor,
-              logits_indices: list[int] | None = None, extend_prefix_lens: list[int] | None = None,
-              extend_seq_lens: list[int] | None = None, future_map: torch.Tensor | None = None) -> "ForwardBatch":
+    def build(
+        cls,
+        mode: ForwardMode,
+        device: torch.device,
+        *,
+        input_ids: list[int],
+        positions: list[int],
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        logits_indices: list[int] | None = None,
+        extend_prefix_lens: list[int] | None = None,
+        extend_seq_lens: list[int] | None = None,
+        future_map: torch.Tensor | None = None,
+    ) -> "ForwardBatch":
         t, b = len(input_ids), len(seq_lens)
         extend = extend_seq_lens is not None
         starts = []
@@ -81,20 +93,35 @@ class ForwardBatch:
         if logits_indices is not None:
             parts.append(logits_indices)
         flat = [x for p in parts for x in p]
-        host = (pinned_empty(len(flat) + t, torch.int64, device) if device.type == "cuda"
-                else torch.empty(len(flat) + t, dtype=torch.int64))
+        host = (
+            pinned_empty(len(flat) + t, torch.int64, device)
+            if device.type == "cuda"
+            else torch.empty(len(flat) + t, dtype=torch.int64)
+        )
         host[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
-        host[len(flat):] = out_cache_loc
+        host[len(flat) :] = out_cache_loc
         dev = host.to(device, non_blocking=True)
-        sizes = [t, t, b, b] + ([b, b, b] if extend else []) + ([len(logits_indices)] if logits_indices is not None
-                                                              else []) + [t]
+        sizes = (
+            [t, t, b, b]
+            + ([b, b, b] if extend else [])
+            + ([len(logits_indices)] if logits_indices is not None else [])
+            + [t]
+        )
         views = list(dev.split(sizes))
         ids = views[0]
         if future_map is not None and any(i < 0 for i in input_ids):
             ids = resolve_futures(ids, future_map)
-        fb = cls(mode=mode, batch_size=b, input_ids=ids, positions=views[1], req_pool_indices=views[2],
-                 seq_lens=views[3], out_cache_loc=views[-1], seq_lens_cpu=list(seq_lens),
-                 req_pool_indices_cpu=list(req_pool_indices))
+        fb = cls(
+            mode=mode,
+            batch_size=b,
+            input_ids=ids,
+            positions=views[1],
+            req_pool_indices=views[2],
+            seq_lens=views[3],
+            out_cache_loc=views[-1],
+            seq_lens_cpu=list(seq_lens),
+            req_pool_indices_cpu=list(req_pool_indices),
+        )
         i = 4
         if extend:
             fb.extend_prefix_lens, fb.extend_seq_lens, fb.extend_start_loc = views[4:7]
@@ -128,8 +155,16 @@ class BatchSpec:
         return any(i < 0 for i in self.input_ids)
 
     def build(self, device: torch.device, future_map: torch.Tensor | None) -> ForwardBatch:
-        return ForwardBatch.build(self.mode, device, input_ids=self.input_ids, positions=self.positions,
-                                  req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
-                                  out_cache_loc=self.out_cache_loc, logits_indices=self.logits_indices,
-                                  extend_prefix_lens=self.extend_prefix_lens, extend_seq_lens=self.extend_seq_lens,
-                                  future_map=future_map)
+        return ForwardBatch.build(
+            self.mode,
+            device,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            out_cache_loc=self.out_cache_loc,
+            logits_indices=self.logits_indices,
+            extend_prefix_lens=self.extend_prefix_lens,
+            extend_seq_lens=self.extend_seq_lens,
+            future_map=future_map,
+        )

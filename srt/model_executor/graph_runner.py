@@ -25,6 +25,7 @@ piecewise buckets are large and have a hand-off per layer. The last graph's outp
 for the eager LM head over the rows that need it) is per bucket. Without CUDA the segments run as plain calls: the same
 decomposition, testable on a CPU.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -40,6 +41,7 @@ from radixlm.kernels.graph_inputs import pull_inputs, pull_inputs_ref
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    from radixlm.srt.layers.attention.triton_backend import ExtendLayout
     from radixlm.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -47,8 +49,12 @@ logger = logging.getLogger(__name__)
 # Batch sizes and token counts graphs are captured for. Fine steps where decode batches live; around the common
 # prefill chunks, steps of 32: a 256-token chunk with 32 decodes riding along is 288 tokens, which a step of 128
 # would pad to 384 (a third more prefill compute in every such step).
-LADDER = ([1, 2, 4, 8] + list(range(16, 129, 8)) + list(range(144, 257, 16))
-          + [288, 320, 384, 448, 512, 544, 576, 640, 768, 896, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 6144, 8192])
+LADDER = (
+    [1, 2, 4, 8]
+    + list(range(16, 129, 8))
+    + list(range(144, 257, 16))
+    + [288, 320, 384, 448, 512, 544, 576, 640, 768, 896, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 6144, 8192]
+)
 EXTEND_MIN_BUCKET = 16
 _RING = 3  # input slots per bucket; under overlap scheduling at most two replays are in flight
 _HEAD_LAYERS = 1
@@ -102,8 +108,10 @@ def plan(kind: str, num_layers: int) -> list[Segment]:
         if op[0] != "attn":
             run.append(op)
             continue
-        segs += [Segment(run, True, reads=("a", "residual") if segs else (), writes=("q", "residual")),
-                 Segment([op], False)]
+        segs += [
+            Segment(run, True, reads=("a", "residual") if segs else (), writes=("q", "residual")),
+            Segment([op], False),
+        ]
         run = []
     return segs + [Segment(run, True, reads=("a", "residual"))]
 
@@ -139,7 +147,7 @@ class _Bucket:
     static: torch.Tensor  # [n] the inputs the graphs read
     counter: torch.Tensor  # [2] the device's count of replays (which slot the next pulls) and kernel scratch
     fb: ForwardBatch
-    layout: object = None  # whole extend: the backend's ExtendLayout
+    layout: ExtendLayout | None = None  # whole extend: the backend's fixed metadata layout
     graphs: list = field(default_factory=list)
     output: torch.Tensor | None = None  # what the last graph leaves: logits (decode) or hidden states
     handoff: dict = field(default_factory=dict)  # what a graph leaves the next graph (its own tensors)
@@ -182,23 +190,41 @@ class GraphSet:
         ring = torch.zeros(_RING, width, dtype=torch.int64, pin_memory=self.cuda)
         if self.kind == "decode":
             v = static.view(5, n)
-            fb = ForwardBatch(mode=ForwardMode.DECODE, batch_size=n, input_ids=v[0], positions=v[1],
-                              req_pool_indices=v[2], seq_lens=v[3], out_cache_loc=v[4], seq_lens_cpu=[1] * n)
+            fb = ForwardBatch(
+                mode=ForwardMode.DECODE,
+                batch_size=n,
+                input_ids=v[0],
+                positions=v[1],
+                req_pool_indices=v[2],
+                seq_lens=v[3],
+                out_cache_loc=v[4],
+                seq_lens_cpu=[1] * n,
+            )
             ring.view(_RING, 5, n)[:, 2] = r.req_to_token_pool.dummy_row
             ring.view(_RING, 5, n)[:, 3] = 1
             static.copy_(ring[0])
             fb.req_to_token_pool, fb.token_to_kv_pool = r.req_to_token_pool, r.token_to_kv_pool
             self.backend.init_forward_metadata_capture(n, fb)  # the decode metadata the graphs keep
         else:
-            fb = ForwardBatch(mode=ForwardMode.EXTEND, batch_size=1, input_ids=static[:n], positions=static[n:2 * n],
-                              req_pool_indices=static[:1], seq_lens=static[:1], out_cache_loc=static[2 * n:3 * n],
-                              seq_lens_cpu=[n])
-        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r.req_to_token_pool, r.token_to_kv_pool, \
-            self.backend
+            fb = ForwardBatch(
+                mode=ForwardMode.EXTEND,
+                batch_size=1,
+                input_ids=static[:n],
+                positions=static[n : 2 * n],
+                req_pool_indices=static[:1],
+                seq_lens=static[:1],
+                out_cache_loc=static[2 * n : 3 * n],
+                seq_lens_cpu=[n],
+            )
+        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = (
+            r.req_to_token_pool,
+            r.token_to_kv_pool,
+            self.backend,
+        )
         if layout is not None:  # room for one padding row, until a batch is written
-            self.backend.fill_extend(ring[0, 4 * n:].numpy(), layout, [0], [1], [r.req_to_token_pool.dummy_row], [1])
-            ring[1:, 4 * n:] = ring[0, 4 * n:]
-            fb.attn_metadata = self.backend.extend_metadata(static[4 * n:], layout)
+            self.backend.fill_extend(ring[0, 4 * n :].numpy(), layout, [0], [1], [r.req_to_token_pool.dummy_row], [1])
+            ring[1:, 4 * n :] = ring[0, 4 * n :]
+            fb.attn_metadata = self.backend.extend_metadata(static[4 * n :], layout)
         static.copy_(ring[0])  # what the graphs read before the first pull: padding
         return _Bucket(n, ring, static, torch.zeros(2, dtype=torch.int64, device=dev), fb, layout)
 
@@ -207,17 +233,28 @@ class GraphSet:
         loc = spec.out_cache_loc.numpy()
         if self.kind == "decode":
             v = arr.reshape(5, n)
-            v[0, :m], v[1, :m], v[2, :m], v[3, :m], v[4, :m] = (spec.input_ids, spec.positions,
-                                                                spec.req_pool_indices, spec.seq_lens, loc)
+            v[0, :m], v[1, :m], v[2, :m], v[3, :m], v[4, :m] = (
+                spec.input_ids,
+                spec.positions,
+                spec.req_pool_indices,
+                spec.seq_lens,
+                loc,
+            )
             v[:, m:] = ((0,), (0,), (self.runner.req_to_token_pool.dummy_row,), (1,), (0,))
             return
-        arr[:4 * n] = 0
-        arr[:m], arr[n:n + m], arr[2 * n:2 * n + m] = spec.input_ids, spec.positions, loc
+        arr[: 4 * n] = 0
+        arr[:m], arr[n : n + m], arr[2 * n : 2 * n + m] = spec.input_ids, spec.positions, loc
         rows = spec.logits_indices if spec.logits_indices is not None else range(m)
-        arr[3 * n:3 * n + len(rows)] = rows
+        arr[3 * n : 3 * n + len(rows)] = rows
         if bk.layout is not None:
-            self.backend.fill_extend(arr[4 * n:], bk.layout, spec.extend_prefix_lens, spec.extend_seq_lens,
-                                     spec.req_pool_indices, spec.seq_lens)
+            self.backend.fill_extend(
+                arr[4 * n :],
+                bk.layout,
+                spec.extend_prefix_lens,
+                spec.extend_seq_lens,
+                spec.req_pool_indices,
+                spec.seq_lens,
+            )
 
     def _pull(self, bk: _Bucket) -> None:
         pull = pull_inputs if self.cuda else pull_inputs_ref
@@ -237,8 +274,9 @@ class GraphSet:
         if not 0 < n <= self.max_size:
             return False
         if self.kind == "whole":
-            return (spec.mode is ForwardMode.EXTEND
-                    and self.backend.fits_extend(self.buckets[self.bucket_size(n)].layout, spec.extend_seq_lens))
+            return spec.mode is ForwardMode.EXTEND and self.backend.fits_extend(
+                self.buckets[self.bucket_size(n)].layout, spec.extend_seq_lens
+            )
         return True  # piecewise: any batch (decode batches too, past the decode graphs)
 
     # --- capture -------------------------------------------------------------------------------------------
@@ -322,7 +360,7 @@ class GraphSet:
         if self.kind == "decode":
             return bk.output[: spec.batch_size]
         k = len(spec.logits_indices) if spec.logits_indices is not None else m
-        rows = bk.static[3 * bk.size:3 * bk.size + k]
+        rows = bk.static[3 * bk.size : 3 * bk.size + k]
         return self.runner.model.project(bk.output.index_select(0, rows))
 
     def relaunch(self, bs: int) -> None:
@@ -364,24 +402,30 @@ class GraphRunner:
     `extend_max_tokens` tokens (auto: whole graphs where the attention backend can, piecewise for the batches
     they have no room for; else piecewise)."""
 
-    def __init__(self, runner: ModelRunner, decode_max_bs: int | None, extend: ExtendGraphMode,
-                 extend_max_tokens: int):
+    def __init__(self, runner: ModelRunner, decode_max_bs: int | None, extend: ExtendGraphMode, extend_max_tokens: int):
         self.runner = runner
         backend = runner.attn_backend
         can_whole = getattr(backend, "supports_extend_graph", False)
         if extend == "whole" and not can_whole:
-            raise ValueError(f"--extend-cuda-graph whole needs an attention backend whose extend attention runs "
-                             f"without a host plan (triton), not {runner.attn_backend_name}")
+            raise ValueError(
+                f"--extend-cuda-graph whole needs an attention backend whose extend attention runs "
+                f"without a host plan (triton), not {runner.attn_backend_name}"
+            )
         cfg = runner.config
         rows = max(extend_max_tokens if extend != "off" else 0, decode_max_bs or 0)
         dt, dev = runner.dtype, runner.device
-        carry = {"x": torch.zeros(rows, cfg.hidden_size, dtype=dt, device=dev),
-                 "residual": torch.zeros(rows, cfg.hidden_size, dtype=dt, device=dev),
-                 "q": torch.zeros(rows, cfg.num_heads, cfg.head_dim, dtype=dt, device=dev),
-                 "a": torch.zeros(rows, cfg.num_heads * cfg.head_dim, dtype=dt, device=dev)}
+        carry = {
+            "x": torch.zeros(rows, cfg.hidden_size, dtype=dt, device=dev),
+            "residual": torch.zeros(rows, cfg.hidden_size, dtype=dt, device=dev),
+            "q": torch.zeros(rows, cfg.num_heads, cfg.head_dim, dtype=dt, device=dev),
+            "a": torch.zeros(rows, cfg.num_heads * cfg.head_dim, dtype=dt, device=dev),
+        }
         ext = buckets(EXTEND_MIN_BUCKET, extend_max_tokens) if extend != "off" else []
-        self.decode = (GraphSet("decode", runner, buckets(1, decode_max_bs), carry)
-                       if decode_max_bs and backend.supports_cuda_graph else None)
+        self.decode = (
+            GraphSet("decode", runner, buckets(1, decode_max_bs), carry)
+            if decode_max_bs and backend.supports_cuda_graph
+            else None
+        )
         self.whole = GraphSet("whole", runner, ext, carry) if ext and can_whole and extend != "piecewise" else None
         self.piecewise = GraphSet("piecewise", runner, ext, carry) if ext and extend != "whole" else None
         self.sets = [s for s in (self.decode, self.whole, self.piecewise) if s is not None]

@@ -9,9 +9,9 @@ for the stream to drain first, which would undo overlap scheduling; and pinning 
 `pin_memory()`) goes to the driver, which pins pages under a global lock that other CUDA calls take too: the
 scheduler thread can stall milliseconds inside such an upload (vLLM saw the same in `pin_memory()`).
 """
+
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
@@ -45,8 +45,9 @@ class HostStaging:
         self.next = (i + 1) % _RING
         buf = self.buffers[i]
         if buf is None or buf.numel() < n:
-            buf = self.buffers[i] = torch.empty(max(n, 2 * (buf.numel() if buf is not None else 0), 8192),
-                                                dtype=torch.float64, pin_memory=True)
+            buf = self.buffers[i] = torch.empty(
+                max(n, 2 * (buf.numel() if buf is not None else 0), 8192), dtype=torch.float64, pin_memory=True
+            )
         host = buf[:n]
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
@@ -90,7 +91,7 @@ class PinnedRing:
             self.stream = stream
             start = self.current * self.chunk + self.used
             self.used += -(-nbytes // self.ALIGN) * self.ALIGN
-        return self.buf[start:start + nbytes]
+        return self.buf[start : start + nbytes]
 
 
 def _record_event(stream: torch.cuda.Stream) -> torch.cuda.Event:

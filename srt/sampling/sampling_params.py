@@ -1,4 +1,5 @@
 """Per-request sampling parameters, validated once where a request enters."""
+
 from __future__ import annotations
 
 import math
@@ -63,31 +64,52 @@ class SamplingParams:
 
     def validate(self) -> None:
         if self.max_new_tokens is not None:
-            _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens",
-                   f"must be an integer >= 0, got {self.max_new_tokens!r}")
-        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
-               f"must be an integer >= 0, got {self.min_new_tokens!r}")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be a number >= 0, got {self.temperature!r}")
+            _check(
+                _is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+                "max_new_tokens",
+                f"must be an integer >= 0, got {self.max_new_tokens!r}",
+            )
+        _check(
+            _is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
+            "min_new_tokens",
+            f"must be an integer >= 0, got {self.min_new_tokens!r}",
+        )
+        _check(
+            _is_num(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be a number >= 0, got {self.temperature!r}",
+        )
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k",
-               f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        _check(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+            "top_k",
+            f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}",
+        )
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             _check(_is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
-        _check(_is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
-               f"must be in (0, 2], got {self.repetition_penalty!r}")
+        _check(
+            _is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            f"must be in (0, 2], got {self.repetition_penalty!r}",
+        )
         _check(_is_int(self.n) and 1 <= self.n <= _MAX_N, "n", f"must be an integer in [1, {_MAX_N}], got {self.n!r}")
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be a non-empty string or a list of non-empty strings")
+        _check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a non-empty string or a list of non-empty strings",
+        )
         _check(len(self.stop) <= _MAX_STOP_STRINGS, "stop", f"at most {_MAX_STOP_STRINGS} stop strings")
-        _check(isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be a list of non-negative integers")
+        _check(
+            isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
         if self.logit_bias is not None:

@@ -3,16 +3,23 @@
 A batch is built (and its KV slots allocated, `kv_len` advanced) when it is scheduled, before the device has
 run anything: under overlap scheduling the next batch is built while the previous one runs. A request whose
 last token is still on the device feeds it as a future id (see forward_batch)."""
+
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixlm.srt.layers.sampler import PenaltyInfo, SamplingBatchInfo
-from radixlm.srt.scheduler.req import Req
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
+from radixlm.srt.scheduler.req import Req
 from radixlm.srt.utils import to_device
+
+if TYPE_CHECKING:
+    from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool
+    from radixlm.srt.model_executor.model_runner import PendingSample
 
 
 @dataclass(eq=False)
@@ -29,9 +36,10 @@ class ScheduledBatch:
     lp_reqs: list[tuple[int, int]] = field(default_factory=list)  # (index in reqs, number of prompt logprobs)
     lp_next: list[int] = field(default_factory=list)  # the token each prompt-logprob row scores
     logits: torch.Tensor | None = None
-    pending: object = None  # the runner's PendingSample
+    pending: PendingSample | None = None  # the sampled ids on their way to the host
     future_base: int | None = None  # overlap: where the sampled ids went among the runner's futures
-    mask_future: object = None  # overlap: this batch's grammar mask, filling while the step before is processed
+    # overlap: this batch's grammar mask, filling while the step before is processed
+    mask_future: concurrent.futures.Future | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +54,9 @@ def decode_input(r: Req) -> int:
     return r.output_ids[-1] if r.pending_ref is None else -(r.pending_ref + 1)
 
 
-def build_extend(batch: list[Req], decode_reqs: list[Req], slots: torch.Tensor, req_pool) -> ScheduledBatch:
+def build_extend(
+    batch: list[Req], decode_reqs: list[Req], slots: torch.Tensor, req_pool: ReqToTokenPool
+) -> ScheduledBatch:
     """`batch`: requests whose `extend_len` tokens from `kv_len` are computed now; `decode_reqs`: running
     requests riding along with one token each (mixed chunked prefill)."""
     input_ids, positions, seq_lens, prefix_lens, ext_lens, sample_rows, sample_reqs = [], [], [], [], [], [], []
@@ -94,14 +104,33 @@ def build_extend(batch: list[Req], decode_reqs: list[Req], slots: torch.Tensor, 
             sample_rows.append(offset)
             offset += 1
     reqs = batch + decode_reqs
-    spec = BatchSpec(ForwardMode.EXTEND, input_ids, positions, [r.req_pool_idx for r in reqs], seq_lens, slots,
-                     logits_indices=(sample_rows + lp_rows) or [offset - 1], extend_prefix_lens=prefix_lens,
-                     extend_seq_lens=ext_lens)
-    return ScheduledBatch(ForwardMode.EXTEND, reqs, ext_lens, [r.epoch for r in reqs], slots, spec, sample_reqs,
-                          sample_pos, finals, lp_reqs, lp_next)
+    spec = BatchSpec(
+        ForwardMode.EXTEND,
+        input_ids,
+        positions,
+        [r.req_pool_idx for r in reqs],
+        seq_lens,
+        slots,
+        logits_indices=(sample_rows + lp_rows) or [offset - 1],
+        extend_prefix_lens=prefix_lens,
+        extend_seq_lens=ext_lens,
+    )
+    return ScheduledBatch(
+        ForwardMode.EXTEND,
+        reqs,
+        ext_lens,
+        [r.epoch for r in reqs],
+        slots,
+        spec,
+        sample_reqs,
+        sample_pos,
+        finals,
+        lp_reqs,
+        lp_next,
+    )
 
 
-def build_decode(reqs: list[Req], slots: torch.Tensor, req_pool) -> ScheduledBatch:
+def build_decode(reqs: list[Req], slots: torch.Tensor, req_pool: ReqToTokenPool) -> ScheduledBatch:
     rows = [r.req_pool_idx for r in reqs]
     cols = [r.kv_len for r in reqs]
     req_pool.write_many(torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64), slots)
@@ -109,8 +138,17 @@ def build_decode(reqs: list[Req], slots: torch.Tensor, req_pool) -> ScheduledBat
         r.kv_len += 1
     spec = BatchSpec(ForwardMode.DECODE, [decode_input(r) for r in reqs], cols, rows, [c + 1 for c in cols], slots)
     n = len(reqs)
-    return ScheduledBatch(ForwardMode.DECODE, list(reqs), [1] * n, [r.epoch for r in reqs], slots, spec, list(reqs),
-                          list(range(n)), [True] * n)
+    return ScheduledBatch(
+        ForwardMode.DECODE,
+        list(reqs),
+        [1] * n,
+        [r.epoch for r in reqs],
+        slots,
+        spec,
+        list(reqs),
+        list(range(n)),
+        [True] * n,
+    )
 
 
 def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingBatchInfo:
@@ -121,8 +159,16 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
         return to_device(torch.tensor(values, dtype=dtype), device)
 
     info = SamplingBatchInfo(
-        temperatures=None, top_ps=None, top_ks=None, min_ps=None, seeds=None, steps=None, greedy=None,
-        all_greedy=all(greedy), need_top_k_p=False, need_min_p=False,
+        temperatures=None,
+        top_ps=None,
+        top_ks=None,
+        min_ps=None,
+        seeds=None,
+        steps=None,
+        greedy=None,
+        all_greedy=all(greedy),
+        need_top_k_p=False,
+        need_min_p=False,
         return_logprob=any(r.return_logprob for r in reqs),
         top_logprobs_num=max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0),
     )
@@ -138,8 +184,13 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
         info.penalties = _penalties(reqs, vocab_size, device)
     # Sparse entries go to the device and are scattered there: a dense [B, V] host tensor per step would
     # cost a memset and a transfer of B * V floats.
-    banned = [(i, t) for i, r in enumerate(reqs) if r.produced() < r.sampling_params.min_new_tokens
-              for t in r.stop_token_ids if t < vocab_size]
+    banned = [
+        (i, t)
+        for i, r in enumerate(reqs)
+        if r.produced() < r.sampling_params.min_new_tokens
+        for t in r.stop_token_ids
+        if t < vocab_size
+    ]
     if banned:
         rows, cols = zip(*banned)
         info.banned = torch.zeros(len(reqs), vocab_size, dtype=torch.bool, device=device)
@@ -164,7 +215,9 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 def _penalties(reqs: list[Req], vocab_size: int, device: torch.device) -> PenaltyInfo:
     # An extra column swallows the padding; it is cut off below.
     out = _padded([r.output_ids for r in reqs], vocab_size).to(device)
-    counts = torch.zeros(len(reqs), vocab_size + 1, device=device).scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))
+    counts = torch.zeros(len(reqs), vocab_size + 1, device=device).scatter_add_(
+        1, out, torch.ones_like(out, dtype=torch.float32)
+    )
     prompt = _padded([r.input_ids for r in reqs], vocab_size).to(device)
     seen = torch.zeros(len(reqs), vocab_size + 1, dtype=torch.bool, device=device).scatter_(1, prompt, True)
     seen = seen[:, :vocab_size] | (counts[:, :vocab_size] > 0)
@@ -172,5 +225,10 @@ def _penalties(reqs: list[Req], vocab_size: int, device: torch.device) -> Penalt
     def col(name):
         return torch.tensor([[getattr(r.sampling_params, name)] for r in reqs], dtype=torch.float32, device=device)
 
-    return PenaltyInfo(frequency=col("frequency_penalty"), presence=col("presence_penalty"),
-                       repetition=col("repetition_penalty"), output_counts=counts[:, :vocab_size], seen=seen)
+    return PenaltyInfo(
+        frequency=col("frequency_penalty"),
+        presence=col("presence_penalty"),
+        repetition=col("repetition_penalty"),
+        output_counts=counts[:, :vocab_size],
+        seen=seen,
+    )

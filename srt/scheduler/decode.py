@@ -1,6 +1,7 @@
 """The decode batch: every running request that is worth another step, one new token each. When the KV cache
 cannot hold one more token for each of them, cached prefixes are evicted first, then the least advanced
 requests are retracted (their KV goes back, they rejoin the waiting queue and are recomputed later)."""
+
 from __future__ import annotations
 
 import logging
@@ -35,7 +36,8 @@ def make_room(running: list[Req], kv: ReqKV, context_length: int) -> list[Req]:
         logger.debug("retracted %s after %d tokens", r.rid, len(r.output_ids))
 
 
-def schedule_decode(running: list[Req], kv: ReqKV, req_pool: ReqToTokenPool,
-                    context_length: int) -> ScheduledBatch | None:
+def schedule_decode(
+    running: list[Req], kv: ReqKV, req_pool: ReqToTokenPool, context_length: int
+) -> ScheduledBatch | None:
     reqs = [r for r in running if r.decodable(context_length)]
     return build_decode(reqs, kv.alloc(len(reqs)), req_pool) if reqs else None

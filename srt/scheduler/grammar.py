@@ -7,6 +7,7 @@ field), that text is appended at once instead of being sampled token by token. T
 forced text are tokenized together, so the boundary is what the tokenizer would produce; the request then goes
 back to the waiting queue and one extend computes all of it, its earlier tokens found again in the radix cache.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -61,8 +62,9 @@ class GrammarStatsView:
 
 
 class SchedulerGrammar:
-    def __init__(self, args, tokenizer, vocab_size: int, stop_ids: list[int], device: torch.device,
-                 overlap: bool = False):
+    def __init__(
+        self, args, tokenizer, vocab_size: int, stop_ids: list[int], device: torch.device, overlap: bool = False
+    ):
         self.backend_name = args.grammar_backend
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -83,8 +85,9 @@ class SchedulerGrammar:
     # --- the grammar queue ---------------------------------------------------------------------------------
     def submit(self, req) -> None:
         if self.manager is None:
-            raise GrammarError("structured output is disabled on this server (--grammar-backend none)",
-                               param=req.grammar_spec.kind)
+            raise GrammarError(
+                "structured output is disabled on this server (--grammar-backend none)", param=req.grammar_spec.kind
+            )
         self.queue.append((req, self.manager.request(req.grammar_spec)))
 
     def poll(self) -> tuple[list, list[tuple[object, GrammarError]]]:
@@ -104,8 +107,14 @@ class SchedulerGrammar:
                     req.grammar = result.matcher()
                     ready.append(req)
                 except Exception as e:  # noqa: BLE001 - a matcher that cannot start fails its request only
-                    failed.append((req, GrammarError(f"the {req.grammar_spec.describe()} cannot be used: {e}",
-                                                     param=req.grammar_spec.kind)))
+                    failed.append(
+                        (
+                            req,
+                            GrammarError(
+                                f"the {req.grammar_spec.describe()} cannot be used: {e}", param=req.grammar_spec.kind
+                            ),
+                        )
+                    )
         self.queue = keep
         return ready, failed
 
@@ -119,12 +128,14 @@ class SchedulerGrammar:
     def wait_briefly(self) -> None:
         """Nothing else to do: block a few ms on the compiles instead of spinning."""
         if self.queue:
-            concurrent.futures.wait([t.future for _, t in self.queue], timeout=_IDLE_WAIT_S,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(
+                [t.future for _, t in self.queue], timeout=_IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
+            )
 
     # --- masks ---------------------------------------------------------------------------------------------
-    def batch_mask(self, reqs: list, current: list[bool], started: concurrent.futures.Future | None = None
-                   ) -> torch.Tensor | None:
+    def batch_mask(
+        self, reqs: list, current: list[bool], started: concurrent.futures.Future | None = None
+    ) -> torch.Tensor | None:
         """The [B, ceil(V / 32)] allowed-token bitmask on the device for a batch's sampled rows, or None when no
         row is constrained. Rows of unconstrained or stale requests allow everything. `started`: the same mask
         already being filled (start_mask)."""
@@ -170,8 +181,9 @@ class SchedulerGrammar:
             if j is not None and r.grammar is not None and batch.is_current(i):
                 done[i] = self.accept(r, next_ids[j])
         # Rows of requests this step finishes are filled too; their tokens are dropped with the stale rows.
-        following.mask_future = self.start_mask(following.sample_reqs,
-                                                [following.is_current(i) for i in following.sample_pos])
+        following.mask_future = self.start_mask(
+            following.sample_reqs, [following.is_current(i) for i in following.sample_pos]
+        )
         return done
 
     def accept(self, req, token: int) -> bool:
@@ -211,9 +223,17 @@ class SchedulerGrammar:
 
     def stats(self) -> GrammarStatsView:
         s = self.manager.stats if self.manager else None
-        return GrammarStatsView(len(self.queue), s.compiles if s else 0, s.cache_hits if s else 0,
-                                s.failures if s else 0, s.timeouts if s else 0, self.jf_tokens, self.jf_events,
-                                s.compile_seconds_sum if s else 0.0, list(s.compile_buckets) if s else [])
+        return GrammarStatsView(
+            len(self.queue),
+            s.compiles if s else 0,
+            s.cache_hits if s else 0,
+            s.failures if s else 0,
+            s.timeouts if s else 0,
+            self.jf_tokens,
+            self.jf_events,
+            s.compile_seconds_sum if s else 0.0,
+            list(s.compile_buckets) if s else [],
+        )
 
     def shutdown(self) -> None:
         if self.manager is not None:

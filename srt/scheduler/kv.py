@@ -4,6 +4,7 @@ it holds in the radix tree, and the private tail it computed itself.
 Every slot is in exactly one place: the free list, a radix node, or a running request's private tail
 (`check_invariants`). Everything that moves slots between those places is here.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ jump-forward over text the grammar forces) and the TokenOutput each request send
 Queue changes are the scheduler's: `process` says which requests finished and which go back to the waiting
 queue (a jump-forward re-extends them), and leaves the queues alone.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,7 @@ class Processed:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, context_length: int, grammar: SchedulerGrammar, kv: ReqKV,
-                 stats: SchedulerStats):
+    def __init__(self, tokenizer, context_length: int, grammar: SchedulerGrammar, kv: ReqKV, stats: SchedulerStats):
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.grammar = grammar
@@ -47,8 +47,9 @@ class OutputProcessor:
             pos += n
         sample_index = {i: j for j, i in enumerate(batch.sample_pos)}
         # No sampled rows (prompt chunks, max_new_tokens=0 only): nothing to accept, nothing sampled to read.
-        accepted = (self.grammar.accept_first(batch, sampled.next_ids, sample_index, following)
-                    if sampled is not None else {})
+        accepted = (
+            self.grammar.accept_first(batch, sampled.next_ids, sample_index, following) if sampled is not None else {}
+        )
         out = Processed()
         for i, r in enumerate(batch.reqs):
             if not batch.is_current(i):
@@ -75,8 +76,9 @@ class OutputProcessor:
                 self.kv.publish_prefix(r)  # share the prompt with others while this request decodes
         return out
 
-    def _append_token(self, r: Req, sampled, i: int, ref: int | None,
-                      grammar_done: bool | None) -> tuple[list[int], bool]:
+    def _append_token(
+        self, r: Req, sampled, i: int, ref: int | None, grammar_done: bool | None
+    ) -> tuple[list[int], bool]:
         """Append the token; returns the ids this step adds (more than one after a jump-forward) and whether it
         jumped forward. `ref`: where
         the step put this token among the futures; a later step may already have sampled the request's next
@@ -119,7 +121,7 @@ class OutputProcessor:
         # KV is only trusted before this step's token: a step already in flight may be computing that token's
         # KV, and the jump may have re-tokenized it.
         self.kv.truncate(r, len(r.input_ids) + start)
-        del r.output_ids[len(r.output_ids) - back:]
+        del r.output_ids[len(r.output_ids) - back :]
         r.output_ids += new
         self.grammar.jf_tokens += len(new) - back
         self.grammar.jf_events += 1
@@ -133,9 +135,16 @@ class OutputProcessor:
         if sampled is not None and r.return_logprob:
             lp = r.output_token_logprobs[-1:]
             top = r.output_top_logprobs[-1:] if r.top_logprobs_num else None
-        o = TokenOutput(rid=r.rid, new_ids=new_ids, prompt_tokens=len(r.input_ids),
-                        completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
-                        finished_reason=r.finished_reason, output_logprobs=lp, output_top_logprobs=top)
+        o = TokenOutput(
+            rid=r.rid,
+            new_ids=new_ids,
+            prompt_tokens=len(r.input_ids),
+            completion_tokens=len(r.output_ids),
+            cached_tokens=r.cached_tokens,
+            finished_reason=r.finished_reason,
+            output_logprobs=lp,
+            output_top_logprobs=top,
+        )
         if not r.detok_sent:
             o.detok = _detok_options(r.sampling_params)
             r.detok_sent = True
@@ -146,5 +155,9 @@ class OutputProcessor:
 
 
 def _detok_options(p: SamplingParams) -> dict:
-    return {"skip_special_tokens": p.skip_special_tokens, "stop": p.stop, "no_stop_trim": p.no_stop_trim,
-            "spaces_between_special_tokens": p.spaces_between_special_tokens}
+    return {
+        "skip_special_tokens": p.skip_special_tokens,
+        "stop": p.stop,
+        "no_stop_trim": p.no_stop_trim,
+        "spaces_between_special_tokens": p.spaces_between_special_tokens,
+    }

@@ -1,11 +1,12 @@
 """Order of the waiting queue: lpm (longest cached prefix first), dfs-weight, fcfs, lof, random."""
+
 from __future__ import annotations
 
 import random
 from collections import defaultdict
 
-from radixlm.srt.scheduler.req import Req
 from radixlm.srt.mem_cache.radix_cache import RadixCache
+from radixlm.srt.scheduler.req import Req
 
 # Matching every waiting request against the tree costs time proportional to the queue; past this length
 # prefix-aware policies fall back to arrival order, as the cache benefit no longer pays for the scan.

@@ -3,6 +3,7 @@
 Requests are taken in policy order while KV memory allows: free slots plus evictable cache, minus a reserve for
 the decode growth of everything running (each request's remaining tokens scaled by an adaptive ratio that
 drops as requests finish early and snaps back to 1 after a retraction)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,9 @@ class Admission:
         # finds it cached, instead of computing it twice.
         self.share_prefixes = share_prefixes
 
-    def admit(self, waiting: list[Req], running: list[Req], chunked: Req | None, inflight: list[Req],
-              budget: PrefillBudget) -> Admitted:
+    def admit(
+        self, waiting: list[Req], running: list[Req], chunked: Req | None, inflight: list[Req], budget: PrefillBudget
+    ) -> Admitted:
         """Take requests off `waiting` (and the next chunk of `chunked`). `inflight`: the prompts of an extend
         launched but not yet processed (overlap), which reach the tree only once processed."""
         tokens = budget.tokens

@@ -1,10 +1,10 @@
 """The scheduler process: the scheduler core in a ZMQ loop (one per GPU rank)."""
+
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import time
 import traceback
 
 import msgspec
@@ -14,8 +14,16 @@ import zmq
 from radixlm.srt import env
 from radixlm.srt.cpu_guard import CpuGuard, cpu_list, guard_wanted, read_lost_ticks
 from radixlm.srt.errors import RadixLMError
-from radixlm.srt.managers.io_struct import (AbortReq, BatchTokenOutput, ControlReq, ControlResp, FinishReason,
-                                            GenerateReq, SchedulerIn, TokenOutput)
+from radixlm.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenOutput,
+    ControlReq,
+    ControlResp,
+    FinishReason,
+    GenerateReq,
+    SchedulerIn,
+    TokenOutput,
+)
 from radixlm.srt.managers.request_prep import stop_token_ids
 from radixlm.srt.model_executor.model_runner import ModelRunner
 from radixlm.srt.model_loader.loader import LoadedModel, load_model
@@ -30,8 +38,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 500  # how often an idle scheduler wakes to check that its parent is still there
 
 
-def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str, endpoints: dict,
-                          parent_pid: int, ready) -> None:
+def run_scheduler_process(
+    args: ServerArgs, model_path: str, tokenizer_path: str, endpoints: dict, parent_pid: int, ready
+) -> None:
     die_with_parent()
     configure_logging(args.log_level, "[scheduler] ")
     started = read_lost_ticks()  # the CPU guard's first window: the whole start-up
@@ -39,9 +48,16 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
         os.sched_setaffinity(0, cpu_list(args.scheduler_cpus))
         logger.info("scheduler pinned to CPUs %s", args.scheduler_cpus)
     try:
-        loaded = load_model(model_path, tokenizer_path=tokenizer_path, dtype=args.dtype, device=args.device,
-                            context_length=args.context_length, served_model_name=args.served_model_name,
-                            load_format=args.load_format, quantization=args.quantization)
+        loaded = load_model(
+            model_path,
+            tokenizer_path=tokenizer_path,
+            dtype=args.dtype,
+            device=args.device,
+            context_length=args.context_length,
+            served_model_name=args.served_model_name,
+            load_format=args.load_format,
+            quantization=args.quantization,
+        )
         runner = ModelRunner(loaded, args)
         if runner.device.type == "cuda" and not env.OMP_NUM_THREADS.is_set():
             # Host tensors here are bookkeeping (slot lists, sampling parameters). A pool of OpenMP threads
@@ -57,11 +73,22 @@ def run_scheduler_process(args: ServerArgs, model_path: str, tokenizer_path: str
     if guard_wanted(args.scheduler_cpus, str(runner.device)):
         # the loop stalls the device whenever it loses its CPU (on CPU only the forward's own threads matter)
         loop.cpu_guard = CpuGuard("scheduler", since=started)
-    ready.send({"status": "ready", "context_length": runner.context_length, "max_total_tokens": runner.max_total_tokens,
-                "max_running_requests": runner.max_running_requests, "vocab_size": runner.vocab_size,
-                "eos_token_ids": loaded.config.eos_token_ids, "device": str(runner.device), "dtype": str(runner.dtype),
-                "architecture": loaded.config.architecture, "load_seconds": loaded.load_seconds, "pid": os.getpid(),
-                "quantization": loaded.quantization})
+    ready.send(
+        {
+            "status": "ready",
+            "context_length": runner.context_length,
+            "max_total_tokens": runner.max_total_tokens,
+            "max_running_requests": runner.max_running_requests,
+            "vocab_size": runner.vocab_size,
+            "eos_token_ids": loaded.config.eos_token_ids,
+            "device": str(runner.device),
+            "dtype": str(runner.dtype),
+            "architecture": loaded.config.architecture,
+            "load_seconds": loaded.load_seconds,
+            "pid": os.getpid(),
+            "quantization": loaded.quantization,
+        }
+    )
     try:
         loop.run()
     except Exception:
@@ -125,15 +152,30 @@ class SchedulerLoop:
     def _add(self, msg: GenerateReq) -> None:
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
-            req = Req(rid=msg.rid, input_ids=msg.input_ids, sampling_params=params, seed=msg.seed,
-                      stop_token_ids=stop_token_ids(params, self.eos_ids), return_logprob=msg.return_logprob,
-                      top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
-                      stream=msg.stream, grammar_spec=params.grammar())
+            req = Req(
+                rid=msg.rid,
+                input_ids=msg.input_ids,
+                sampling_params=params,
+                seed=msg.seed,
+                stop_token_ids=stop_token_ids(params, self.eos_ids),
+                return_logprob=msg.return_logprob,
+                top_logprobs_num=msg.top_logprobs_num,
+                logprob_start_len=msg.logprob_start_len,
+                stream=msg.stream,
+                grammar_spec=params.grammar(),
+            )
             self.scheduler.add(req)
         except RadixLMError as e:  # the tokenizer manager checks first; this is the backstop
             reason = FinishReason.abort(e.message, e.status, e.param)
-            out = TokenOutput(rid=msg.rid, new_ids=[], prompt_tokens=len(msg.input_ids), completion_tokens=0,
-                              cached_tokens=0, finished_reason=reason, detok={})
+            out = TokenOutput(
+                rid=msg.rid,
+                new_ids=[],
+                prompt_tokens=len(msg.input_ids),
+                completion_tokens=0,
+                cached_tokens=0,
+                finished_reason=reason,
+                detok={},
+            )
             self.to_detok.send(self.encoder.encode(BatchTokenOutput([out])))
 
     def _control(self, msg: ControlReq) -> None:

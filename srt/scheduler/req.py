@@ -1,9 +1,9 @@
 """One request's state inside the scheduler."""
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import torch

@@ -14,6 +14,7 @@ and its extra token is dropped. Its sampling is launched with its forward, so th
 queued while the host processes step n; where penalties or grammar masks need step n's tokens, it is launched
 after step n is processed, while the forward runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,9 @@ class Scheduler:
         self.max_prefill_tokens = args.max_prefill_tokens
         self.conservativeness = args.schedule_conservativeness
         # Overlap pays off only where the forward runs asynchronously to the host (CUDA).
-        self.overlap = not args.disable_overlap_schedule and (runner.device.type == "cuda"
-                                                              or args.force_overlap_schedule)
+        self.overlap = not args.disable_overlap_schedule and (
+            runner.device.type == "cuda" or args.force_overlap_schedule
+        )
         self.mixed_chunk = args.enable_mixed_chunk
         # While streams decode, a step takes at most this many prompt tokens and the decodes ride along: on a CPU
         # a whole prompt's prefill is many decode steps long, and every stream would wait for it.
@@ -89,8 +91,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.last_step: StepInfo | None = None
         self._outputs: list[TokenOutput] = []  # of requests ended outside a step (aborts, failed batches)
-        self.grammar = SchedulerGrammar(args, tokenizer, runner.vocab_size, runner.config.eos_token_ids,
-                                        runner.device, self.overlap)
+        self.grammar = SchedulerGrammar(
+            args, tokenizer, runner.vocab_size, runner.config.eos_token_ids, runner.device, self.overlap
+        )
         self.outputs = OutputProcessor(tokenizer, self.context_length, self.grammar, self.kv, self.stats)
         freeze_startup_objects()  # the model, tokenizer and graphs, out of the collector's full passes
 
@@ -104,8 +107,9 @@ class Scheduler:
 
     def validate(self, req: Req) -> None:
         """Check a request against the model and memory limits and resolve its max_new_tokens."""
-        req.max_new_tokens = check_request_limits(req.input_ids, req.sampling_params,
-                                                  self.context_length, self.kv_pool.size, self.runner.vocab_size)
+        req.max_new_tokens = check_request_limits(
+            req.input_ids, req.sampling_params, self.context_length, self.kv_pool.size, self.runner.vocab_size
+        )
 
     def abort(self, rid: str, notify: bool = True) -> bool:
         """Stop a request wherever it is; its slots and locks are returned at once (a step still running on
@@ -188,15 +192,23 @@ class Scheduler:
 
     def get_stats(self) -> dict:
         s = asdict(self.stats)
-        s.update(cache_hit_rate=self.stats.cache_hit_rate, num_running=len(self.running) + (self.chunked is not None),
-                 num_waiting=len(self.waiting), kv_total=self.kv_pool.size, kv_free=self.kv_pool.available_size(),
-                 kv_cached=self.tree_cache.total_size(), kv_evictable=self.tree_cache.evictable_size(),
-                 evicted_tokens=self.tree_cache.evicted_tokens,
-                 gen_throughput=self.stats.generated_tokens / self.stats.busy_seconds if self.stats.busy_seconds else 0.0,
-                 new_token_ratio=self.new_token_ratio,
-                 last_step=self.last_step.as_dict() if self.last_step is not None else {}, overlap=self.overlap,
-                 attention_backend=self.runner.attn_backend_name, grammar=asdict(self.grammar.stats()),
-                 cuda_graph=self.runner.uses_cuda_graphs)
+        s.update(
+            cache_hit_rate=self.stats.cache_hit_rate,
+            num_running=len(self.running) + (self.chunked is not None),
+            num_waiting=len(self.waiting),
+            kv_total=self.kv_pool.size,
+            kv_free=self.kv_pool.available_size(),
+            kv_cached=self.tree_cache.total_size(),
+            kv_evictable=self.tree_cache.evictable_size(),
+            evicted_tokens=self.tree_cache.evicted_tokens,
+            gen_throughput=self.stats.generated_tokens / self.stats.busy_seconds if self.stats.busy_seconds else 0.0,
+            new_token_ratio=self.new_token_ratio,
+            last_step=self.last_step.as_dict() if self.last_step is not None else {},
+            overlap=self.overlap,
+            attention_backend=self.runner.attn_backend_name,
+            grammar=asdict(self.grammar.stats()),
+            cuda_graph=self.runner.uses_cuda_graphs,
+        )
         s["kv_used"] = s["kv_total"] - s["kv_free"] - s["kv_evictable"]
         return s
 
@@ -229,8 +241,9 @@ class Scheduler:
         split = self.chunk_size is not None  # a prompt over the budget is split, not held back
         if self.decode_prefill_budget is not None and any(r.decodable(self.context_length) for r in self.running):
             tokens, split = min(tokens, self.decode_prefill_budget), True
-        return PrefillBudget(tokens, split, self.max_running - len(self.running), self.new_token_ratio,
-                             self.conservativeness)
+        return PrefillBudget(
+            tokens, split, self.max_running - len(self.running), self.new_token_ratio, self.conservativeness
+        )
 
     def _schedule_extend(self) -> ScheduledBatch | None:
         if not self.waiting and self.chunked is None:
@@ -287,7 +300,8 @@ class Scheduler:
                 info = sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device) if n else None
                 if n:  # grammar masks from the matchers as they are after the previous step's tokens
                     info.vocab_mask = self.grammar.batch_mask(
-                        batch.sample_reqs, [batch.is_current(i) for i in batch.sample_pos], batch.mask_future)
+                        batch.sample_reqs, [batch.is_current(i) for i in batch.sample_pos], batch.mask_future
+                    )
                 extra = None
                 if batch.lp_next:
                     lp = torch.log_softmax(logits[n:], dim=-1)
@@ -327,8 +341,12 @@ class Scheduler:
                     self.chunked = None
                 if r in self.running:
                     self.running.remove(r)
-                self._finish_abort(r, notify=True, message="the server ran out of device memory running this "
-                                   "request; retry it or send a shorter one", status_code=503)
+                self._finish_abort(
+                    r,
+                    notify=True,
+                    message="the server ran out of device memory running this request; retry it or send a shorter one",
+                    status_code=503,
+                )
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             raise BatchFailed(f"{len(batch.reqs)} requests failed") from e
@@ -354,8 +372,14 @@ class Scheduler:
         self.kv.release(r)
         self.stats.finished_requests += 1
 
-    def _finish_abort(self, r: Req, notify: bool, message: str = "request aborted",
-                      status_code: int | None = None, param: str | None = None) -> None:
+    def _finish_abort(
+        self,
+        r: Req,
+        notify: bool,
+        message: str = "request aborted",
+        status_code: int | None = None,
+        param: str | None = None,
+    ) -> None:
         self.kv.release(r)
         r.pending_ref = None
         r.grammar = None

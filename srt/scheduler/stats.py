@@ -1,4 +1,5 @@
 """What the scheduler counts (reported by /get_server_info and /metrics) and what its last step was."""
+
 from __future__ import annotations
 
 import time

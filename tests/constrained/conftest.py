@@ -5,6 +5,7 @@ backend, `auto`.
 Their compile limit is generous: outlines takes seconds per nested schema on one core, and the corpus tests send
 a few dozen at once to a 2-core host; these tests are about what the grammars let through. The limit itself is
 tested with its own engines (test_grammar_scheduler)."""
+
 import pytest
 
 import radixlm
@@ -19,8 +20,13 @@ def backend_engines():
 
     def get(backend: str):
         if backend not in made:
-            made[backend] = radixlm.Engine(grammar_backend=backend, log_level="warning", max_total_tokens=16384,
-                                           jump_forward="on", grammar_compile_timeout=COMPILE_LIMIT_S)
+            made[backend] = radixlm.Engine(
+                grammar_backend=backend,
+                log_level="warning",
+                max_total_tokens=16384,
+                jump_forward="on",
+                grammar_compile_timeout=COMPILE_LIMIT_S,
+            )
         return made[backend]
 
     yield get

@@ -8,6 +8,7 @@
 - A request's time limit runs from when its compile starts: a burst of grammars queued behind each other all
   compile, however long the queue. Only when no worker comes free for the whole limit do queued requests fail,
   with a 503 (the server's state), while the compile that ran too long fails with a 400."""
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ class _TimedBackend(GrammarBackend):
     """Spec "wait:S" sleeps S seconds; "burn:S" spins on the CPU for S seconds of its own CPU time. Each compile
     reports the priority its thread had when it ended (the result object is that number). A spec's text after a
     second colon only makes it a distinct cache entry."""
+
     name = "timed"
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:

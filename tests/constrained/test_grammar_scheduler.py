@@ -1,6 +1,7 @@
 """Grammar-constrained decoding through the scheduler, on every grammar backend (an engine each, from this
 package's conftest): regex outputs match, constrained rows leave unconstrained ones alone, aborts and failed or
 timed-out compiles free everything, and jump-forward saves forward passes."""
+
 import concurrent.futures
 import gc
 import json
@@ -12,7 +13,8 @@ import pytest
 
 import radixlm
 from radixlm.srt.errors import GrammarError
-from tests.helpers import GRAMMAR_BACKENDS as BACKENDS, assert_engine_idle
+from tests.helpers import GRAMMAR_BACKENDS as BACKENDS
+from tests.helpers import assert_engine_idle
 
 GREEDY = {"temperature": 0}
 COMPILE_TIMEOUT_S = 1  # the compile time limit of the `strict_engines` below
@@ -52,9 +54,12 @@ JF_SCHEMA = {
 JF_PROMPTS = ["Describe the customer Alice as a JSON record: ", "Customer record for Bob in JSON: "]
 JF_MAX_NEW_TOKENS = 200  # more than the longest text the schema allows has characters
 
-SMALL_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                                 "pet": {"enum": ["cat", "dog"]}},
-                "required": ["name", "pet"], "additionalProperties": False}
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "pet": {"enum": ["cat", "dog"]}},
+    "required": ["name", "pet"],
+    "additionalProperties": False,
+}
 
 # Regexes that Python's `re` accepts (so they pass the edge) and the backend cannot compile: a word boundary for
 # both, plus one more unsupported feature each.
@@ -104,9 +109,13 @@ def strict_engines():
 
     def get(backend):
         if backend not in made:
-            made[backend] = radixlm.Engine(grammar_backend=backend, jump_forward="off",
-                                           grammar_compile_timeout=COMPILE_TIMEOUT_S, log_level="warning",
-                                           max_total_tokens=4096)
+            made[backend] = radixlm.Engine(
+                grammar_backend=backend,
+                jump_forward="off",
+                grammar_compile_timeout=COMPILE_TIMEOUT_S,
+                log_level="warning",
+                max_total_tokens=4096,
+            )
         return made[backend]
 
     yield get
@@ -189,15 +198,25 @@ def test_unconstrained_requests_unchanged_by_constrained_batchmates(engine):
     alone = [o["output_ids"] for o in engine.generate(plain, plain_sp)]
     assert all(alone)
 
-    constrained = [("Today's date in ISO format is ", {"regex": r"\d{4}-\d{2}-\d{2}"}),
-                   ("My favourite pet is a ", {"regex": r"(cat|dog|bird)"}),
-                   ("Describe a pet owner in JSON: ", {"json_schema": SMALL_SCHEMA}),
-                   ("Another pet owner as JSON: ", {"json_schema": json.dumps(SMALL_SCHEMA)}),
-                   ("The meeting starts at ", {"regex": r"([01]\d|2[0-3]):[0-5]\d", "temperature": 0.7})]
+    constrained = [
+        ("Today's date in ISO format is ", {"regex": r"\d{4}-\d{2}-\d{2}"}),
+        ("My favourite pet is a ", {"regex": r"(cat|dog|bird)"}),
+        ("Describe a pet owner in JSON: ", {"json_schema": SMALL_SCHEMA}),
+        ("Another pet owner as JSON: ", {"json_schema": json.dumps(SMALL_SCHEMA)}),
+        ("The meeting starts at ", {"regex": r"([01]\d|2[0-3]):[0-5]\d", "temperature": 0.7}),
+    ]
     c_params = [{**GREEDY, "max_new_tokens": 40, **sp} for _, sp in constrained]
     # constrained requests before, between and after the unconstrained ones
-    prompts = [constrained[0][0], plain[0], constrained[1][0], constrained[2][0], plain[1], plain[2],
-               constrained[3][0], constrained[4][0]]
+    prompts = [
+        constrained[0][0],
+        plain[0],
+        constrained[1][0],
+        constrained[2][0],
+        plain[1],
+        plain[2],
+        constrained[3][0],
+        constrained[4][0],
+    ]
     params = [c_params[0], plain_sp, c_params[1], c_params[2], plain_sp, plain_sp, c_params[3], c_params[4]]
     plain_at, constrained_at = [1, 4, 5], [0, 2, 3, 6, 7]
     assert engine.flush_cache()  # compute every prompt afresh, as alone
@@ -234,11 +253,19 @@ def test_abort_mid_grammar_leaks_nothing(engine):
     # after a few steps whatever jump-forward appends.
     words = "(alpha|beta|gamma|delta)"
     prompts = ["Count in Greek letters: ", "A list of Greek letters in JSON: ", "Write a long lowercase sentence: "]
-    params = [{"regex": rf"{words}( {words}){{30,40}}", "max_new_tokens": 200, "temperature": 0.7},
-              {"json_schema": {"type": "object", "properties": {"letters": {"type": "array", "minItems": 20,
-                                                                            "items": {"enum": ["alpha", "beta"]}}},
-                               "required": ["letters"]}, **GREEDY, "max_new_tokens": 200},
-              {"regex": r"[a-z]{3,6}( [a-z]{3,6}){20,30}\.", **GREEDY, "max_new_tokens": 200}]
+    params = [
+        {"regex": rf"{words}( {words}){{30,40}}", "max_new_tokens": 200, "temperature": 0.7},
+        {
+            "json_schema": {
+                "type": "object",
+                "properties": {"letters": {"type": "array", "minItems": 20, "items": {"enum": ["alpha", "beta"]}}},
+                "required": ["letters"],
+            },
+            **GREEDY,
+            "max_new_tokens": 200,
+        },
+        {"regex": r"[a-z]{3,6}( [a-z]{3,6}){20,30}\.", **GREEDY, "max_new_tokens": 200},
+    ]
     # Compiled first (cached): on a busy host one slow compile would let the others run to their end meanwhile.
     engine.generate(prompts, [{**p, "max_new_tokens": 1} for p in params])
     running_rids = engine.add_request(prompts, params)
@@ -252,8 +279,9 @@ def test_abort_mid_grammar_leaks_nothing(engine):
     else:
         raise AssertionError(f"constrained requests did not start decoding: {produced}")
     # One more, still in the grammar queue when aborted (queued requests leave it only in step()); a fresh spec.
-    queued_rid = engine.add_request("My favourite pet is a ",
-                                    {"regex": f"(cat|dog|bird {id(object())})", "max_new_tokens": 8})[0]
+    queued_rid = engine.add_request(
+        "My favourite pet is a ", {"regex": f"(cat|dog|bird {id(object())})", "max_new_tokens": 8}
+    )[0]
 
     reqs = {r.rid: r for r in sch.running + sch.waiting}
     assert set(reqs) == set(running_rids)
@@ -296,9 +324,11 @@ def test_compile_failure_fails_only_that_request(engine):
         _edge_refusals_fail_only_that_call(engine, bad)
         return
     prompts = ["My favourite pet is a "] + ["Answer: "] * len(bad) + ["The capital of France is"]
-    params = ([{"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8}]
-              + [{"regex": regex, **GREEDY, "max_new_tokens": 8} for regex, _ in bad]
-              + [{**GREEDY, "max_new_tokens": 8}])
+    params = (
+        [{"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8}]
+        + [{"regex": regex, **GREEDY, "max_new_tokens": 8} for regex, _ in bad]
+        + [{**GREEDY, "max_new_tokens": 8}]
+    )
     outs = engine.generate(prompts, params)
     assert re.fullmatch(r"(cat|dog|bird)", outs[0]["text"])
     _assert_grammar_stop(engine, outs[0])
@@ -316,9 +346,10 @@ def test_compile_failure_fails_only_that_request(engine):
     # Refused at the edge (lookaround, an invalid regex): the whole call fails and nothing is enqueued.
     for regex, needle in ((r"(?=a)a", "lookaround"), (r"(cat|dog", "not a valid regular expression")):
         with pytest.raises(GrammarError, match=needle):
-            engine.add_request(["My favourite pet is a ", "Answer: "],
-                               [{"regex": r"(cat|dog|bird)", "max_new_tokens": 8},
-                                {"regex": regex, "max_new_tokens": 8}])
+            engine.add_request(
+                ["My favourite pet is a ", "Answer: "],
+                [{"regex": r"(cat|dog|bird)", "max_new_tokens": 8}, {"regex": regex, "max_new_tokens": 8}],
+            )
         assert_engine_idle(engine)
     if backend == "outlines":  # EBNF needs another backend
         with pytest.raises(GrammarError, match="--grammar-backend auto"):
@@ -336,8 +367,10 @@ def _edge_refusals_fail_only_that_call(engine, bad):
     that sends it, naming the problem; nothing of that call is queued, and other requests run as before."""
     for regex, reason in bad:
         with pytest.raises(GrammarError, match=reason) as info:
-            engine.add_request(["My favourite pet is a ", "Answer: "],
-                               [{"regex": r"(cat|dog|bird)", "max_new_tokens": 8}, {"regex": regex, "max_new_tokens": 8}])
+            engine.add_request(
+                ["My favourite pet is a ", "Answer: "],
+                [{"regex": r"(cat|dog|bird)", "max_new_tokens": 8}, {"regex": regex, "max_new_tokens": 8}],
+            )
         assert info.value.status == 400 and info.value.param == "regex"
         assert_engine_idle(engine)
     with pytest.raises(GrammarError, match="undefined_rule") as info:
@@ -358,9 +391,13 @@ def test_slow_compile_times_out_without_stalling_others(strict_engines, backend)
     assert engine.server_args.grammar_compile_timeout == COMPILE_TIMEOUT_S
     # Warm up: build the backend's vocabulary index and the JSON grammar below, so that what the normal requests
     # compile takes milliseconds, far within the time limit.
-    warm = engine.generate(["My favourite pet is a ", "Describe a pet owner in JSON: "],
-                           [{"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
-                            {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40}])
+    warm = engine.generate(
+        ["My favourite pet is a ", "Describe a pet owner in JSON: "],
+        [
+            {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
+            {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
+        ],
+    )
     assert re.fullmatch(r"(cat|dog|bird)", warm[0]["text"])
     jsonschema.validate(json.loads(warm[1]["text"]), SMALL_SCHEMA)
     before = _grammar_stats(engine)
@@ -368,10 +405,12 @@ def test_slow_compile_times_out_without_stalling_others(strict_engines, backend)
     slow_rid = engine.add_request("Type something: ", {"regex": SLOW_REGEXES[backend], "max_new_tokens": 8})[0]
     slow_future = next(t.future for r, t in sch.grammar.queue if r.rid == slow_rid)
     normal = {
-        engine.add_request("The meeting starts at ", {"regex": r"([01]\d|2[0-3]):[0-5]\d", **GREEDY,
-                                                      "max_new_tokens": 16})[0]: r"([01]\d|2[0-3]):[0-5]\d",
-        engine.add_request("Describe a pet owner in JSON: ", {"json_schema": SMALL_SCHEMA, **GREEDY,
-                                                              "max_new_tokens": 40})[0]: None,
+        engine.add_request(
+            "The meeting starts at ", {"regex": r"([01]\d|2[0-3]):[0-5]\d", **GREEDY, "max_new_tokens": 16}
+        )[0]: r"([01]\d|2[0-3]):[0-5]\d",
+        engine.add_request(
+            "Describe a pet owner in JSON: ", {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40}
+        )[0]: None,
         engine.add_request("The capital of France is", {**GREEDY, "max_new_tokens": 8})[0]: "",
     }
     order = []  # (rid, whether the slow compile had ended) in the order requests finished
@@ -419,12 +458,17 @@ def test_jump_forward_saves_forward_passes(backend_engines, strict_engines, back
             _assert_grammar_stop(engine, out)
             jsonschema.validate(json.loads(out["text"]), JF_SCHEMA)
         g = _grammar_stats(engine)
-        results[name] = (_forward_passes(engine) - passes, g["jump_forward_tokens"] - grammar["jump_forward_tokens"],
-                         g["jump_forward_events"] - grammar["jump_forward_events"],
-                         sum(len(o["output_ids"]) for o in outs))
+        results[name] = (
+            _forward_passes(engine) - passes,
+            g["jump_forward_tokens"] - grammar["jump_forward_tokens"],
+            g["jump_forward_events"] - grammar["jump_forward_events"],
+            sum(len(o["output_ids"]) for o in outs),
+        )
         assert_engine_idle(engine)
     (on_passes, on_jf_tokens, on_jf_events, on_tokens), (off_passes, off_jf_tokens, off_jf_events, _) = (
-        results["on"], results["off"])
+        results["on"],
+        results["off"],
+    )
     assert on_jf_events > 0 and on_jf_tokens >= 2 * on_jf_events  # each jump appends at least two tokens
     assert off_jf_tokens == 0 and off_jf_events == 0
     assert off.get_stats()["grammar"]["jump_forward_tokens"] == 0
@@ -439,15 +483,28 @@ def test_overlap_fills_masks_early_and_answers_as_without_overlap(backend):
     """Under overlap scheduling (the CUDA default) a constrained batch's mask is filled on the mask thread while
     the previous step is processed. Greedy answers of a mixed batch (JSON, regex, unconstrained) are the same as
     with overlap off, every constrained one valid, and the early fill really ran."""
-    prompts = ["Describe a pet owner in JSON: ", "My favourite pet is a ", "The capital of France is",
-               "Another pet owner, as JSON: "]
-    params = [{"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
-              {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8}, {**GREEDY, "max_new_tokens": 8},
-              {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40}]
+    prompts = [
+        "Describe a pet owner in JSON: ",
+        "My favourite pet is a ",
+        "The capital of France is",
+        "Another pet owner, as JSON: ",
+    ]
+    params = [
+        {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
+        {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
+        {**GREEDY, "max_new_tokens": 8},
+        {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
+    ]
     outs = {}
     for overlap in (False, True):
-        engine = radixlm.Engine(grammar_backend=backend, force_overlap_schedule=overlap, log_level="warning",
-                                max_total_tokens=4096, disable_overlap_schedule=not overlap, jump_forward="off")
+        engine = radixlm.Engine(
+            grammar_backend=backend,
+            force_overlap_schedule=overlap,
+            log_level="warning",
+            max_total_tokens=4096,
+            disable_overlap_schedule=not overlap,
+            jump_forward="off",
+        )
         try:
             assert engine.scheduler.overlap == overlap and not engine.scheduler.grammar.jump_forward
             outs[overlap] = [o["text"] for o in engine.generate(prompts, params)]

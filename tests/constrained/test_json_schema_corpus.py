@@ -9,6 +9,7 @@ Formats: jsonschema checks `date`, `email` and `uuid` with the standard library 
 `rfc3339-validator` package, which the test environment has. `test_format_checks_are_active` fails if any of the
 four is not really checked, so a missing package cannot make the validation silently weaker.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -26,7 +27,8 @@ from radixlm.srt.constrained.manager import create_backend
 from radixlm.srt.constrained.spec import check_supported, grammar_spec
 from radixlm.srt.errors import GrammarError
 from tests.constrained.schemas import BY_NAME, CASES
-from tests.helpers import GRAMMAR_BACKENDS as BACKENDS, assert_engine_idle, assert_server_idle, smollm_tokenizer
+from tests.helpers import GRAMMAR_BACKENDS as BACKENDS
+from tests.helpers import assert_engine_idle, assert_server_idle, smollm_tokenizer
 
 MAX_NEW_TOKENS = 384
 MAX_RAMBLING = 4  # outputs allowed to run to the token limit inside an unbounded string (about 1 in 10)
@@ -93,8 +95,9 @@ def _check_refusal(case, message: str, backend: str) -> str:
     keyword, pointer, named_backend = m.groups()
     assert named_backend == backend, message
     node = _resolve(case.schema, pointer)
-    assert isinstance(node, dict) and keyword in node, \
+    assert isinstance(node, dict) and keyword in node, (
         f"{case.name}: the refusal names {keyword!r} at {pointer}, which the schema does not have there: {message!r}"
+    )
     if case.rejects:
         assert keyword in case.rejects, f"{case.name}: expected one of {case.rejects} to be named: {message!r}"
     return keyword
@@ -130,9 +133,28 @@ def test_corpus_is_well_formed_and_covers_the_shapes():
     for case in CASES:
         Draft202012Validator.check_schema(case.schema)
         _keywords(case.schema, used)
-    wanted = {"properties", "required", "additionalProperties", "items", "minItems", "maxItems", "prefixItems",
-              "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs", "$ref",
-              "anyOf", "oneOf", "pattern", "minLength", "maxLength"} | {f"format:{f}" for f in FORMATS}
+    wanted = {
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "minItems",
+        "maxItems",
+        "prefixItems",
+        "enum",
+        "const",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "$defs",
+        "$ref",
+        "anyOf",
+        "oneOf",
+        "pattern",
+        "minLength",
+        "maxLength",
+    } | {f"format:{f}" for f in FORMATS}
     assert wanted <= used, sorted(wanted - used)
     assert sum(bool(c.rejects) for c in CASES) >= 8
 
@@ -141,10 +163,18 @@ def test_format_checks_are_active():
     """jsonschema only checks a format whose checker is installed; make sure all four really reject."""
     fc = Draft202012Validator.FORMAT_CHECKER
     assert set(FORMATS) <= set(fc.checkers)
-    good = {"date": "2024-02-29", "date-time": "2024-02-29T10:20:30Z", "email": "ada@example.com",
-            "uuid": "123e4567-e89b-12d3-a456-426614174000"}
-    bad = {"date": "2023-02-29", "date-time": "2024-02-29 10:20:30", "email": "ada.example.com",
-           "uuid": "123e4567e89b12d3a456426614174000"}
+    good = {
+        "date": "2024-02-29",
+        "date-time": "2024-02-29T10:20:30Z",
+        "email": "ada@example.com",
+        "uuid": "123e4567-e89b-12d3-a456-426614174000",
+    }
+    bad = {
+        "date": "2023-02-29",
+        "date-time": "2024-02-29 10:20:30",
+        "email": "ada.example.com",
+        "uuid": "123e4567e89b12d3a456426614174000",
+    }
     for f in FORMATS:
         v = _validator({"type": "string", "format": f})
         assert v.is_valid(good[f]), f
@@ -201,8 +231,10 @@ def test_supported_schemas_generate_valid_json(engine):
     supported = [c for c in supported if CASES.index(c) % 2 == half]
     if backend == "outlines":  # auto's last resort, and the slowest to compile: every other one of its half
         supported = supported[::2]
-    params = [{"json_schema": c.schema, "temperature": 0.7, "max_new_tokens": MAX_NEW_TOKENS, "seed": _seed(c.name)}
-              for c in supported]
+    params = [
+        {"json_schema": c.schema, "temperature": 0.7, "max_new_tokens": MAX_NEW_TOKENS, "seed": _seed(c.name)}
+        for c in supported
+    ]
     outs = engine.generate(input_ids=[engine.chat_ids(_messages(c)) for c in supported], sampling_params=params)
     assert len(outs) == len(supported)
     failures, rambled = [], []
@@ -222,16 +254,19 @@ def test_supported_schemas_generate_valid_json(engine):
                 failures.append(f"{case.name}: a complete value was not ended by the grammar: {text!r}")
             continue
         if reason.get("type") != "stop" or meta["completion_tokens"] >= MAX_NEW_TOKENS:
-            failures.append(f"{case.name}: finished with {reason} after {meta['completion_tokens']} tokens: "
-                            f"{text[:200]!r}")
+            failures.append(
+                f"{case.name}: finished with {reason} after {meta['completion_tokens']} tokens: {text[:200]!r}"
+            )
             continue
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
             failures.append(f"{case.name}: not JSON ({e}): {text!r}")
             continue
-        errors = [f"{'/'.join(map(str, err.absolute_path))}: {err.message}"
-                  for err in _validator(case.schema).iter_errors(value)]
+        errors = [
+            f"{'/'.join(map(str, err.absolute_path))}: {err.message}"
+            for err in _validator(case.schema).iter_errors(value)
+        ]
         if errors:
             failures.append(f"{case.name}: {text!r} does not validate: {errors}")
     assert not failures, f"{backend}: {len(failures)} of {len(supported)} outputs failed:\n" + "\n".join(failures)
@@ -270,9 +305,16 @@ def test_http_response_format_output_validates(server, client):
 
     def ask(case):
         return client.chat.completions.create(
-            model=MODEL, messages=_messages(case), temperature=0.7, max_tokens=MAX_NEW_TOKENS, seed=_seed(case.name),
-            response_format={"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema,
-                                                                    "strict": True}})
+            model=MODEL,
+            messages=_messages(case),
+            temperature=0.7,
+            max_tokens=MAX_NEW_TOKENS,
+            seed=_seed(case.name),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": case.name, "schema": case.schema, "strict": True},
+            },
+        )
 
     with cf.ThreadPoolExecutor(len(cases)) as pool:
         replies = list(pool.map(ask, cases))
@@ -295,8 +337,12 @@ def test_http_unsupported_schemas_get_400_naming_the_keyword(server, client):
         case = BY_NAME[name]
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(
-                model=MODEL, messages=_messages(case), temperature=0.7, max_tokens=MAX_NEW_TOKENS,
-                response_format={"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema}})
+                model=MODEL,
+                messages=_messages(case),
+                temperature=0.7,
+                max_tokens=MAX_NEW_TOKENS,
+                response_format={"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema}},
+            )
         assert info.value.status_code == 400
         body = info.value.response.json()
         assert set(body) == {"error"}, body
@@ -305,8 +351,11 @@ def test_http_unsupported_schemas_get_400_naming_the_keyword(server, client):
         _check_refusal(case, error["message"], backend)
         chat_params[case.name] = error["param"]
 
-        r = httpx.post(f"{server.url}/generate", timeout=60, json={
-            "text": "JSON please:", "sampling_params": {"json_schema": case.schema, "max_new_tokens": 32}})
+        r = httpx.post(
+            f"{server.url}/generate",
+            timeout=60,
+            json={"text": "JSON please:", "sampling_params": {"json_schema": case.schema, "max_new_tokens": 32}},
+        )
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "json_schema", error

@@ -4,6 +4,7 @@ character (U+0000-U+001F must be escaped there; `json.loads` rejects them raw).
 Checked on the masks themselves, so it does not depend on what a model happens to sample: for each kind of string
 a schema can declare (plain, length-bounded, patterned, formatted, an object key), the grammar is walked to just
 inside the string and every allowed token's bytes are read."""
+
 from __future__ import annotations
 
 import json

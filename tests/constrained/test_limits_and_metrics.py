@@ -1,13 +1,17 @@
 """Structured output at the server's edges: what it refuses with a 400 (and keeps serving), and what it
 reports in /metrics about grammars."""
+
 import json
 import re
 
 import httpx
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
-                                           "score": {"enum": [1, 2, 3]}},
-          "required": ["answer", "score"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 12}, "score": {"enum": [1, 2, 3]}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
 
 
 def _generate(server, params, text="Reply in JSON: ", timeout=120):
@@ -45,8 +49,9 @@ def test_refusals_leave_the_server_serving(server):
     # a schema nested deeper than any grammar backend handles, given as an object and as text
     msg = _error(_generate(server, {"json_schema": _nested_schema(200), "max_new_tokens": 4}), 400, "json_schema")
     assert "deeper than" in msg
-    msg = _error(_generate(server, {"json_schema": json.dumps(_nested_schema(40)), "max_new_tokens": 4}), 400,
-                 "json_schema")
+    msg = _error(
+        _generate(server, {"json_schema": json.dumps(_nested_schema(40)), "max_new_tokens": 4}), 400, "json_schema"
+    )
     assert "deeper than" in msg
     # EBNF is served by the default backend (auto); one that refers to a rule it never defines is a 400 naming it
     msg = _error(_generate(server, {"ebnf": 'root ::= "yes" | nowhere', "max_new_tokens": 4}), 400, "ebnf")
@@ -56,9 +61,15 @@ def test_refusals_leave_the_server_serving(server):
     _error(_generate(server, {"regex": "(unclosed", "max_new_tokens": 4}), 400, "regex")
     _error(_generate(server, {"regex": "a+", "json_schema": SCHEMA}), 400)
     # the same through the OpenAI route: a response_format whose schema is not an object
-    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}}})
+    resp = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}},
+        },
+    )
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
     # and a constrained request right after all that is served, valid
     resp = _generate(server, {"json_schema": SCHEMA, "max_new_tokens": 64, "temperature": 0})
@@ -72,8 +83,12 @@ def test_grammar_metrics(server):
     hits0 = _metric(before, "radixlm_grammar_cache_hits_total")
     count0 = _metric(before, "radixlm_grammar_compile_seconds_count")
     # a schema this server has not seen (compiles), then the same one again (a cache hit)
-    schema = {"type": "object", "properties": {"metric_probe": {"enum": ["on", "off"]}},
-              "required": ["metric_probe"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"metric_probe": {"enum": ["on", "off"]}},
+        "required": ["metric_probe"],
+        "additionalProperties": False,
+    }
     for _ in range(2):
         resp = _generate(server, {"json_schema": schema, "max_new_tokens": 32, "temperature": 0})
         assert resp.status_code == 200 and json.loads(resp.json()["text"])["metric_probe"] in ("on", "off")

@@ -5,10 +5,10 @@ Every call the server returns must be one the client can use as is: an id, type 
 and `arguments` a JSON string valid against that tool's parameter schema (checked with `jsonschema`).
 Schemas here stay inside what the default grammar backend (outlines) enforces; the keywords it cannot
 enforce (numeric bounds, uniqueItems) must be refused with a 400 instead."""
+
 import concurrent.futures as cf
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -45,8 +45,12 @@ EVENTS = {
                 "city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
                 # a bounded integer the outlines backend can enforce (it refuses minimum/maximum, see below)
                 "days": {"type": "integer", "enum": [1, 2, 3, 4, 5, 6, 7]},
-                "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z_]{1,10}$"}, "minItems": 1,
-                         "maxItems": 3},
+                "tags": {
+                    "type": "array",
+                    "items": {"type": "string", "pattern": "^[a-z_]{1,10}$"},
+                    "minItems": 1,
+                    "maxItems": 3,
+                },
             },
             "required": ["city", "days", "tags"],
             "additionalProperties": False,
@@ -56,14 +60,20 @@ EVENTS = {
 TOOLS = [WEATHER, EVENTS]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
-ASK = [{"role": "system", "content": "You are a helpful assistant. Always use the tools to answer."},
-       {"role": "user", "content": "What is the weather in Paris in celsius?"}]
+ASK = [
+    {"role": "system", "content": "You are a helpful assistant. Always use the tools to answer."},
+    {"role": "user", "content": "What is the weather in Paris in celsius?"},
+]
 # A shot of the call format in the conversation: the prompt that most often gets this small model to call.
-SHOT = [{"role": "system", "content": "You are a weather bot. Reply only with a tool call."},
-        {"role": "user", "content": "Weather in London, fahrenheit?"},
-        {"role": "assistant",
-         "content": BEGIN + json.dumps({"name": "get_weather", "arguments": {"city": "London", "unit": "f"}}) + END},
-        {"role": "user", "content": "Weather in Paris, celsius?"}]
+SHOT = [
+    {"role": "system", "content": "You are a weather bot. Reply only with a tool call."},
+    {"role": "user", "content": "Weather in London, fahrenheit?"},
+    {
+        "role": "assistant",
+        "content": BEGIN + json.dumps({"name": "get_weather", "arguments": {"city": "London", "unit": "f"}}) + END,
+    },
+    {"role": "user", "content": "Weather in Paris, celsius?"},
+]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CALL_TOKENS = 200  # enough for the longest call these schemas allow (strings and arrays are bounded)
 # A call never contains these (names, enums and patterns exclude a period, and call markup and JSON have single
@@ -99,8 +109,7 @@ def check_call(call_id, call_type, name, arguments, allowed) -> dict:
 def check_message_calls(message, allowed) -> list[tuple[str, dict]]:
     calls = message.tool_calls
     assert calls, message
-    out = [(c.function.name, check_call(c.id, c.type, c.function.name, c.function.arguments, allowed))
-           for c in calls]
+    out = [(c.function.name, check_call(c.id, c.type, c.function.name, c.function.arguments, allowed)) for c in calls]
     assert len({c.id for c in calls}) == len(calls)
     return out
 
@@ -172,7 +181,8 @@ def check_greedy_free_text(logprobs_content):
         if not (text + top.token).startswith(BEGIN):
             assert entry.logprob >= top.logprob - 1e-4, (
                 f"token {pos}: sampled {entry.token!r} ({entry.logprob:.2f}) although the model's top choice "
-                f"{top.token!r} ({top.logprob:.2f}) is allowed; text so far {text!r}")
+                f"{top.token!r} ({top.logprob:.2f}) is allowed; text so far {text!r}"
+            )
         text += entry.token
 
 
@@ -217,8 +227,9 @@ def test_tool_choice_none_gives_text(client):
     assert c.finish_reason in ("stop", "length"), c
     assert c.message.tool_calls is None
     assert isinstance(c.message.content, str) and c.message.content.strip()
-    streamed = collect_stream(create(client, messages=SHOT, tools=TOOLS, tool_choice="none", temperature=0,
-                                     max_tokens=16, stream=True))
+    streamed = collect_stream(
+        create(client, messages=SHOT, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=16, stream=True)
+    )
     assert streamed[0]["calls"] == {} and streamed[0]["finish"] == c.finish_reason
     assert streamed[0]["content"] == c.message.content
 
@@ -228,14 +239,27 @@ def test_tool_choice_none_gives_text(client):
 def test_follow_up_turn_with_tool_result(client, named_answer, tool_choice):
     message = named_answer.choices[0].message  # exactly as the client returned it
     call = message.tool_calls[0]
-    messages = [ASK[1], message,
-                {"role": "tool", "tool_call_id": call.id,
-                 "content": json.dumps({"city": "Paris", "temperature": 17, "unit": "c", "sky": "light rain"})}]
+    messages = [
+        ASK[1],
+        message,
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": json.dumps({"city": "Paris", "temperature": 17, "unit": "c", "sky": "light rain"}),
+        },
+    ]
     if tool_choice == "none":  # no call can come: a short answer will do
         r = create(client, messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=32)
     else:
-        r = create(client, messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=CALL_TOKENS,
-                   stop=TEXT_STOP)
+        r = create(
+            client,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="auto",
+            temperature=0,
+            max_tokens=CALL_TOKENS,
+            stop=TEXT_STOP,
+        )
     c = r.choices[0]
     if tool_choice == "none":
         assert c.message.tool_calls is None and c.finish_reason in ("stop", "length")
@@ -253,30 +277,77 @@ def _tool(parameters, name="f"):
 
 BAD = {
     "named function not among the tools": (
-        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}), ["get_time"]),
+        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}),
+        ["get_time"],
+    ),
     "tool_choice without tools": (dict(tool_choice="required"), ["tool_choice"]),
     "parameters not an object": (dict(tools=_tool("nope"), tool_choice="required"), ["parameters"]),
     "unknown type": (dict(tools=_tool({"type": "object", "properties": {"x": {"type": "strnig"}}})), ["strnig"]),
-    "properties not an object": (dict(tools=_tool({"type": "object", "properties": "x"}), tool_choice="required"),
-                                 ["properties"]),
-    "dangling $ref": (dict(tools=_tool({"type": "object", "properties": {"x": {"$ref": "#/$defs/nowhere"}}}),
-                           tool_choice="required"), ["$defs"]),
-    "required not an array": (dict(tools=_tool({"type": "object", "properties": {"x": {"type": "string"}},
-                                                "required": "x"}), tool_choice="required"), ["required"]),
-    "unsatisfiable empty enum": (dict(tools=_tool({"type": "object", "properties": {"x": {"enum": []}},
-                                                   "required": ["x"]}), tool_choice="required"), ["enum"]),
+    "properties not an object": (
+        dict(tools=_tool({"type": "object", "properties": "x"}), tool_choice="required"),
+        ["properties"],
+    ),
+    "dangling $ref": (
+        dict(tools=_tool({"type": "object", "properties": {"x": {"$ref": "#/$defs/nowhere"}}}), tool_choice="required"),
+        ["$defs"],
+    ),
+    "required not an array": (
+        dict(
+            tools=_tool({"type": "object", "properties": {"x": {"type": "string"}}, "required": "x"}),
+            tool_choice="required",
+        ),
+        ["required"],
+    ),
+    "unsatisfiable empty enum": (
+        dict(
+            tools=_tool({"type": "object", "properties": {"x": {"enum": []}}, "required": ["x"]}),
+            tool_choice="required",
+        ),
+        ["enum"],
+    ),
     "uniqueItems (no backend enforces it)": (
-        dict(tools=_tool({"type": "object", "properties": {
-            "x": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}})), ["uniqueItems"]),
-    "parameters of a type other than object": (dict(tools=_tool({"type": "string"}), tool_choice="required"),
-                                                ["parameters", "object"]),
-    "a function name OpenAI would refuse": (dict(tools=_tool({"type": "object"}, name="has space!"),
-                                                 tool_choice="required"), ["name", "has space!"]),
+        dict(
+            tools=_tool(
+                {
+                    "type": "object",
+                    "properties": {"x": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+                }
+            )
+        ),
+        ["uniqueItems"],
+    ),
+    "parameters of a type other than object": (
+        dict(tools=_tool({"type": "string"}), tool_choice="required"),
+        ["parameters", "object"],
+    ),
+    "a function name OpenAI would refuse": (
+        dict(tools=_tool({"type": "object"}, name="has space!"), tool_choice="required"),
+        ["name", "has space!"],
+    ),
     "tool message without tool_call_id": (
-        dict(messages=[ASK[1], {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "c"})}}]},
-            {"role": "tool", "content": json.dumps({"temperature": 17})}], tools=TOOLS), ["tool_call_id"]),
+        dict(
+            messages=[
+                ASK[1],
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {
+                                "name": "get_weather",
+                                "arguments": json.dumps({"city": "Paris", "unit": "c"}),
+                            },
+                        }
+                    ],
+                },
+                {"role": "tool", "content": json.dumps({"temperature": 17})},
+            ],
+            tools=TOOLS,
+        ),
+        ["tool_call_id"],
+    ),
 }
 
 
@@ -346,8 +417,9 @@ def test_auto_greedy(client, record_property, prompt):
     explicit = create(client, **kw, tool_choice="auto", stream=True)
     st = collect_stream(explicit)[0]
     s_calls = check_streamed_calls(st, set(SCHEMAS)) if st["calls"] else None
-    assert check_auto_answer(st["content"] if s_calls is None else (st["content"] or None), s_calls,
-                             st["finish"]) == kind
+    assert (
+        check_auto_answer(st["content"] if s_calls is None else (st["content"] or None), s_calls, st["finish"]) == kind
+    )
     assert st["finish"] == c.finish_reason
     if kind == "text":
         assert st["content"] == c.message.content
@@ -357,19 +429,41 @@ def test_auto_greedy(client, record_property, prompt):
 
 def test_auto_sampled_answers_are_well_formed(client, record_property):
     kinds = []
-    r = create(client, messages=ASK, tools=TOOLS, tool_choice="auto", temperature=0.8, seed=1, n=3,
-               max_tokens=CALL_TOKENS, stop=TEXT_STOP)
+    r = create(
+        client,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="auto",
+        temperature=0.8,
+        seed=1,
+        n=3,
+        max_tokens=CALL_TOKENS,
+        stop=TEXT_STOP,
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     for c in r.choices:
         calls = check_message_calls(c.message, set(SCHEMAS)) if c.message.tool_calls else None
         kinds.append(check_auto_answer(c.message.content, calls, c.finish_reason))
     for seed in (2, 3):
-        streamed = collect_stream(create(client, messages=SHOT, tools=TOOLS, tool_choice="auto", temperature=0.8,
-                                         seed=seed, n=2, max_tokens=CALL_TOKENS, stop=TEXT_STOP, stream=True))
+        streamed = collect_stream(
+            create(
+                client,
+                messages=SHOT,
+                tools=TOOLS,
+                tool_choice="auto",
+                temperature=0.8,
+                seed=seed,
+                n=2,
+                max_tokens=CALL_TOKENS,
+                stop=TEXT_STOP,
+                stream=True,
+            )
+        )
         assert sorted(streamed) == [0, 1]
         for st in streamed.values():
             calls = check_streamed_calls(st, set(SCHEMAS)) if st["calls"] else None
-            kinds.append(check_auto_answer(st["content"] if calls is None else (st["content"] or None), calls,
-                                           st["finish"]))
+            kinds.append(
+                check_auto_answer(st["content"] if calls is None else (st["content"] or None), calls, st["finish"])
+            )
     record_property("auto_sampled_kinds", ",".join(kinds))
     print("auto, temperature 0.8:", kinds)

@@ -4,6 +4,7 @@ backend the edge chose, well inside the compile time limit. A schema a backend c
 at the edge with a 400, never accepted and then failed (or timed out) in the scheduler.
 
 benchmarks/bench_schema_coverage.py measures the same sample per backend, with timings and generation."""
+
 from __future__ import annotations
 
 from benchmarks.bench_schema_coverage import load

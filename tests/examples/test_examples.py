@@ -1,6 +1,7 @@
 """Every program in examples/ runs as a user runs it (`python examples/NAME.py` from the repo root, as a
 subprocess) and does what it says. Each example ends with a `RESULT {json}` line; the checks below read it
 (and the printed text) and verify the claim independently of the example's own `ok`."""
+
 from __future__ import annotations
 
 import ast
@@ -32,10 +33,18 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
     # extras' packages are hidden from it and from the servers it starts (test_readme_base_install.py).
     from tests.examples.test_readme_base_install import OPENAI_CLIENT, base_env
 
-    env, _ = base_env(Path(tempfile.mkdtemp(prefix=f"example-{name}-")),
-                      allow=OPENAI_CLIENT if "openai" in name else frozenset())
-    proc = subprocess.Popen([sys.executable, f"examples/{name}.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    env, _ = base_env(
+        Path(tempfile.mkdtemp(prefix=f"example-{name}-")), allow=OPENAI_CLIENT if "openai" in name else frozenset()
+    )
+    proc = subprocess.Popen(
+        [sys.executable, f"examples/{name}.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -45,16 +54,15 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
     leftover = group_alive(proc.pid)
     if leftover:
         os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"{name}.py exited {proc.returncode}\n--- stdout ---\n{out[-3000:]}\n" \
-                                 f"--- stderr ---\n{err[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{name}.py exited {proc.returncode}\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}"
+    )
     assert not leftover, f"{name}.py exited but left processes running: {leftover}"
-    results = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
+    results = [line[len("RESULT ") :] for line in out.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 1, f"{name}.py printed {len(results)} RESULT lines:\n{out[-3000:]}"
     result = json.loads(results[0])
     assert result["ok"] is True
     return result, out
-
-
 
 
 def _argmax(scores) -> int:
@@ -125,6 +133,7 @@ def _calc(expression: str) -> float:
         if isinstance(node, ast.Constant):
             return node.value
         return ops[type(node.op)](ev(node.left), ev(node.right))
+
     return ev(ast.parse(expression, mode="eval").body)
 
 

@@ -24,6 +24,7 @@ unconstrained generations are cut to MAX_TOKENS tokens (a dict's `max_new_tokens
 lowered, `max_new_tokens` added where the README leaves the default 128): imports, not answers' length, are
 what this file is about.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,14 +37,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
-
-from tests.helpers import group_alive
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.helpers import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -55,12 +56,16 @@ pytestmark = pytest.mark.slow
 
 # Import names of distributions pyproject.toml names but that are not installed here (so their metadata cannot
 # say): hidden anyway, so that the list stays complete on any machine.
-UNINSTALLED_IMPORT_NAMES = {"flashinfer-python": ["flashinfer"], "llama-cpp-python": ["llama_cpp"],
-                            "matplotlib": ["matplotlib", "mpl_toolkits", "pylab"]}
+UNINSTALLED_IMPORT_NAMES = {
+    "flashinfer-python": ["flashinfer"],
+    "llama-cpp-python": ["llama_cpp"],
+    "matplotlib": ["matplotlib", "mpl_toolkits", "pylab"],
+}
 ALWAYS_PRESENT = {"pip", "radixlm"}  # a venv has pip (the default model's download runs it); radixlm is the install
 
 
 # --- what the base install holds ---------------------------------------------------------------------------------
+
 
 def _project() -> dict:
     with open(ROOT / "pyproject.toml", "rb") as f:
@@ -129,7 +134,7 @@ EXTRAS_ONLY_MODULES = set().union(*(IMPORT_NAMES.get(d, set()) for d in set().un
 # is found by none of them: `import` raises ModuleNotFoundError, `importlib.util.find_spec` answers None, and
 # importlib.metadata does not list the distribution, as when it is not installed. Each hidden import that was tried
 # is logged (an optional import may try one and carry on; that is fine).
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import json, os, re, sys
 
 with open(os.environ["RADIXLM_TEST_HIDDEN"]) as _f:
@@ -173,7 +178,7 @@ class _Hiding:
 
 
 sys.meta_path[:] = [_Hiding(f) for f in sys.meta_path]
-'''
+"""
 
 
 def base_env(tmp_path: Path, allow: set[str] = frozenset()) -> tuple[dict, Path]:
@@ -193,12 +198,18 @@ def base_env(tmp_path: Path, allow: set[str] = frozenset()) -> tuple[dict, Path]
 # --- running a program ------------------------------------------------------------------------------------------
 
 
-
 def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), cwd: Path | None = None) -> str:
     """Run `python *args` seeing only the base install; it must exit 0 and leave no process behind. Its stdout."""
     env, log = base_env(tmp_path, allow)
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd or tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd or tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -209,20 +220,25 @@ def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), 
     if leftover:
         os.killpg(proc.pid, signal.SIGKILL)
     tried = sorted(set(log.read_text().split()[1::2])) if log.exists() else []
-    assert proc.returncode == 0, (f"{args} exited {proc.returncode} with only the base install"
-                                  f"{' (+' + ', '.join(sorted(allow)) + ')' if allow else ''}; hidden imports it "
-                                  f"tried: {tried}\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-5000:]}")
+    assert proc.returncode == 0, (
+        f"{args} exited {proc.returncode} with only the base install"
+        f"{' (+' + ', '.join(sorted(allow)) + ')' if allow else ''}; hidden imports it "
+        f"tried: {tried}\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-5000:]}"
+    )
     assert not leftover, f"{args} exited but left processes running: {leftover}"
     return out
 
 
 # --- the README's snippets --------------------------------------------------------------------------------------
 
+
 def readme_snippets() -> list[tuple[int, str]]:
     """(line number, code) of every ```python block of the README."""
     text = README.read_text()
-    return [(text.count("\n", 0, m.start()) + 2, m.group(1))
-            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+    return [
+        (text.count("\n", 0, m.start()) + 2, m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)
+    ]
 
 
 SNIPPETS = readme_snippets()
@@ -256,8 +272,11 @@ def prelude_for(index: int, names: set[str]) -> list[ast.stmt]:
         name = todo.pop()
         for i in range(index - 1, -1, -1):
             stmts = ast.parse(SNIPPETS[i][1]).body
-            hits = [(j, s) for j, s in enumerate(stmts) if name in _bound_and_loaded(s)[0]
-                    and not isinstance(s, (ast.For, ast.While, ast.If, ast.With))]
+            hits = [
+                (j, s)
+                for j, s in enumerate(stmts)
+                if name in _bound_and_loaded(s)[0] and not isinstance(s, (ast.For, ast.While, ast.If, ast.With))
+            ]
             if hits:
                 j, stmt = hits[-1]
                 if (i, j) not in chosen:
@@ -273,8 +292,11 @@ class _FillPlaceholders(ast.NodeTransformer):
     """`messages=[...]` (the README's "your messages here") becomes one real user message."""
 
     def visit_keyword(self, node: ast.keyword) -> ast.keyword:
-        if node.arg == "messages" and isinstance(node.value, ast.List) and any(
-                isinstance(e, ast.Constant) and e.value is Ellipsis for e in node.value.elts):
+        if (
+            node.arg == "messages"
+            and isinstance(node.value, ast.List)
+            and any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in node.value.elts)
+        ):
             node.value = ast.parse('[{"role": "user", "content": "Describe Paris as JSON."}]', mode="eval").body
         return node
 
@@ -297,8 +319,10 @@ class _CapTokens(ast.NodeTransformer):
         self.generic_visit(node)
         if isinstance(node.func, ast.Attribute) and node.func.attr in ("generate", "chat"):
             for arg in node.args:
-                if isinstance(arg, ast.Dict) and not any(isinstance(k, ast.Constant) and k.value in (
-                        "max_new_tokens", "json_schema", "regex", "ebnf") for k in arg.keys):
+                if isinstance(arg, ast.Dict) and not any(
+                    isinstance(k, ast.Constant) and k.value in ("max_new_tokens", "json_schema", "regex", "ebnf")
+                    for k in arg.keys
+                ):
                     arg.keys.append(ast.Constant("max_new_tokens"))
                     arg.values.append(ast.Constant(MAX_TOKENS))
         for kw in node.keywords:
@@ -346,16 +370,26 @@ def check_output(code: str, out: str) -> None:
                 objs.append(json.loads(line))
             except ValueError:
                 pass
-        assert any(isinstance(o, dict) and set(o) == {"city", "population"} and isinstance(o["population"], int)
-                   for o in objs), f"no JSON object with exactly city and population printed:\n{out}"
+        assert any(
+            isinstance(o, dict) and set(o) == {"city", "population"} and isinstance(o["population"], int) for o in objs
+        ), f"no JSON object with exactly city and population printed:\n{out}"
 
 
 def test_hiding_hides_what_the_base_install_lacks(tmp_path):
     """The hook really hides: pytest (installed: it runs this test) cannot be imported, found or listed under it,
     while radixlm and the base dependencies (httpx among them, issue 28) can."""
     # what pyproject.toml's extras bring beyond the base install, by import name
-    expected = {"pytest", "hypothesis", "openai", "aiohttp", "accelerate", "rfc3339_validator", "matplotlib",
-                "llama_cpp", "flashinfer"}
+    expected = {
+        "pytest",
+        "hypothesis",
+        "openai",
+        "aiohttp",
+        "accelerate",
+        "rfc3339_validator",
+        "matplotlib",
+        "llama_cpp",
+        "flashinfer",
+    }
     assert expected <= EXTRAS_ONLY_MODULES, expected - EXTRAS_ONLY_MODULES
     modules, _ = hidden_names()
     assert expected <= modules, expected - modules
@@ -417,7 +451,7 @@ def test_readme_frontend_snippet_on_runtime_endpoint(tmp_path, server):
     code = SNIPPETS[index][1]
     m = re.search(r"sgl\.EngineBackend\(\)(\)?)\s*#.*?\bor\s+(sgl\.RuntimeEndpoint\([^)]*\))", code)
     assert m, "the frontend snippet's `EngineBackend()  # ... or sgl.RuntimeEndpoint(...)` line changed"
-    program, needs_server = runnable(index, code[:m.start()] + m.group(2) + m.group(1) + code[m.end():])
+    program, needs_server = runnable(index, code[: m.start()] + m.group(2) + m.group(1) + code[m.end() :])
     assert needs_server and "EngineBackend" not in program
     program = README_URL.sub(server.url, program)
     script = tmp_path / "snippet.py"
@@ -440,8 +474,9 @@ def test_examples_import_only_base_packages():
     for path in EXAMPLES:
         tree = ast.parse(path.read_text(), filename=str(path))
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                  and not n.level}
+        names |= {
+            (n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level
+        }
         allowed = {"openai"} if "openai" in path.stem else set()
         bad = {n for n in names - siblings - allowed if n in modules}
         assert not bad, f"{path.name} imports {bad}, which the base install lacks"

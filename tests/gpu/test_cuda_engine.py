@@ -11,6 +11,7 @@ What is expected, per dtype:
   rounding is a million times smaller than any tie those models have; a difference is a bug).
 Run on a GPU machine: `python -m pytest -m gpu` (README).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,14 +27,30 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 BACKENDS = ["torch_native", "triton"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
 ARCHS = ["llama", "qwen2", "qwen3", "smol"]
 # transformers' default initializer range: logits as well conditioned as a random model's get
-SIZES = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=1024,
-             initializer_range=0.02)
+SIZES = dict(
+    hidden_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    intermediate_size=1024,
+    initializer_range=0.02,
+)
 # The embedded SmolLM2's attention shape: 64-wide heads, 9 query heads over 3 KV heads (a GQA group of 3)
-SMOL = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-            initializer_range=0.02)
+SMOL = dict(
+    hidden_size=576,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    initializer_range=0.02,
+)
 GREEDY = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
-RUNS = {"graphs+overlap": {}, "eager": {"disable_cuda_graph": True}, "no-overlap": {"disable_overlap_schedule": True},
-        "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 64}}
+RUNS = {
+    "graphs+overlap": {},
+    "eager": {"disable_cuda_graph": True},
+    "no-overlap": {"disable_overlap_schedule": True},
+    "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 64},
+}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,9 +64,11 @@ def tok():
 
 @pytest.fixture(scope="module")
 def ids(tok):
-    texts = ["The quick brown fox jumps over the lazy dog, and then some more words follow here.",
-             "def add(a, b):\n    return a + b  # numbers, 1234567, and symbols {[(<>)]}",
-             "Paris is the capital of France; Berlin, of Germany. Rome is older than both of them."]
+    texts = [
+        "The quick brown fox jumps over the lazy dog, and then some more words follow here.",
+        "def add(a, b):\n    return a + b  # numbers, 1234567, and symbols {[(<>)]}",
+        "Paris is the capital of France; Berlin, of Germany. Rome is older than both of them.",
+    ]
     return [t for text in texts for t in tok(text)["input_ids"]] * 3
 
 
@@ -67,8 +86,16 @@ def checkpoints(tmp_path_factory, tok):
 
 
 def _engine(path, backend: str, dtype: str, **kw):
-    return radixlm.Engine(str(path), dtype=dtype, device="cuda", log_level="warning", max_total_tokens=8192,
-                          attention_backend=backend, cuda_graph_max_bs=16, **kw)
+    return radixlm.Engine(
+        str(path),
+        dtype=dtype,
+        device="cuda",
+        log_level="warning",
+        max_total_tokens=8192,
+        attention_backend=backend,
+        cuda_graph_max_bs=16,
+        **kw,
+    )
 
 
 def _greedy(engine, prompts) -> list[list[int]]:

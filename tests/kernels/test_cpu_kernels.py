@@ -1,4 +1,5 @@
 """Our C kernels for CPU decode (kernels/cpu_kernels.c) against their torch references (kernels/cpu.py)."""
+
 import pytest
 import torch
 
@@ -44,7 +45,7 @@ def test_q8_gemm_matches_fp64(m):
     n, k = 1000, 96  # n not a multiple of the kernel's 64-row chunks
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     d = torch.rand(n, k // 32, generator=g).half().float() / 50  # fp16 scales, as in the file
-    x = torch.randn(m, k + 5, generator=g)[:, 2:k + 2]  # a row stride other than k
+    x = torch.randn(m, k + 5, generator=g)[:, 2 : k + 2]  # a row stride other than k
     ref = x.double() @ (q.view(n, -1, 32).double() * d.double().unsqueeze(-1)).view(n, k).T
     y = cpu.q8_gemm(q, d, x)
     assert y.dtype == torch.float32 and y.shape == (m, n)
@@ -75,7 +76,7 @@ def test_add_rmsnorm(add_dtype, out_dtype):
 def test_rope_store(dtype):
     g = torch.Generator().manual_seed(2)
     t, h, kvh, d = 4, 6, 2, 32
-    qkv = torch.randn(t, (h + 2 * kvh) * d + 7, generator=g)[:, :(h + 2 * kvh) * d].to(dtype)  # strided rows
+    qkv = torch.randn(t, (h + 2 * kvh) * d + 7, generator=g)[:, : (h + 2 * kvh) * d].to(dtype)  # strided rows
     positions = torch.tensor([0, 5, 17, 3])
     freqs = torch.outer(torch.arange(64).float(), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
@@ -99,7 +100,7 @@ def test_decode_attention_ragged():
     rows = torch.tensor([5, 0, 2, 7])
     start = 0
     for row, n in zip(rows.tolist(), lens):
-        req_to_token[row, :n] = perm[start:start + n].int()
+        req_to_token[row, :n] = perm[start : start + n].int()
         start += n
     seq_lens = torch.tensor(lens)
     q = torch.randn(4, h, d, generator=g) * 2
@@ -173,14 +174,18 @@ def test_q4_gemm_matches_fp64(m, style, built):
     n, k = 48, 96  # three 16-row tiles, three blocks
     q, d, mins = _q4_case(rng, n, k, style)
     qs, dm = cpu.q4_pack(q, d, mins)
-    x = torch.randn(m, k + 3, generator=torch.Generator().manual_seed(m))[:, 1:k + 1]  # row stride other than k
+    x = torch.randn(m, k + 3, generator=torch.Generator().manual_seed(m))[:, 1 : k + 1]  # row stride other than k
     y = cpu.q4_gemm(qs, dm, x, n, k)
     assert y.shape == (m, n) and y.dtype == torch.float32
     ref = cpu.q4_gemm_ref(q, d, mins, x)
     assert _rel(ref, y) < 1e-6
     # per output, not only in norm: each one within a few fp32 roundings of its own sums' size
-    scale = (x.bfloat16().double().abs() @ torch.from_numpy(
-        (np.abs(d)[..., None] * 15 + np.abs(mins)[..., None]).astype(np.float64).repeat(32, -1).reshape(n, k)).T)
+    scale = (
+        x.bfloat16().double().abs()
+        @ torch.from_numpy(
+            (np.abs(d)[..., None] * 15 + np.abs(mins)[..., None]).astype(np.float64).repeat(32, -1).reshape(n, k)
+        ).T
+    )
     assert ((y.double() - ref).abs() <= 1e-6 * scale).all()
 
 

@@ -1,5 +1,6 @@
 """Every Triton kernel against its torch reference on small ragged shapes. Without a GPU they run under
 TRITON_INTERPRET=1 (set in tests/conftest.py); on CUDA the same tests run the compiled kernels."""
+
 from __future__ import annotations
 
 import pytest
@@ -59,8 +60,18 @@ def test_rope_and_store(dtype, heads, kv_heads, head_dim, qk_norm):
 
     g = torch.Generator().manual_seed(heads * head_dim)
     t, slots = 9, 40
-    rot = RotaryEmbedding(head_dim, 256, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    rot = RotaryEmbedding(
+        head_dim,
+        256,
+        10000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     cos_sin = rot.cos_sin.to(DEV)
     # q, k, v as strided views of one fused projection, as the model produces them.
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEV, dtype)
@@ -70,8 +81,10 @@ def test_rope_and_store(dtype, heads, kv_heads, head_dim, qk_norm):
     loc = torch.randperm(slots, generator=g)[:t].to(DEV)
     norms = {}
     if qk_norm:
-        norms = {"q_norm_weight": (1 + 0.1 * torch.randn(head_dim, generator=g)).to(DEV, dtype),
-                 "k_norm_weight": (1 + 0.1 * torch.randn(head_dim, generator=g)).to(DEV, dtype)}
+        norms = {
+            "q_norm_weight": (1 + 0.1 * torch.randn(head_dim, generator=g)).to(DEV, dtype),
+            "k_norm_weight": (1 + 0.1 * torch.randn(head_dim, generator=g)).to(DEV, dtype),
+        }
     caches = [poison(torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=DEV)) for _ in range(4)]
     q_ref = rope_and_store_ref(positions, q, k, v, cos_sin, caches[0], caches[1], loc, **norms)
     q_out = rope_and_store(positions, q, k, v, cos_sin, caches[2], caches[3], loc, **norms)
@@ -108,7 +121,7 @@ def test_decode_attention(dtype, heads, kv_heads, head_dim, lens, splits):
     g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, heads, kv_heads, head_dim, lens, sum(lens) + heads)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(DEV, dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = poison(torch.empty_like(q))
     decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, scale, num_splits=splits, out=out, block_n=16)
     ref = decode_attention_ref(q, k_cache, v_cache, r2t, rows, seq_lens, scale)
@@ -127,9 +140,10 @@ def test_decode_attention_rows_in_place(dtype):
     q_rows = torch.tensor([4, 0, 2], dtype=torch.int64, device=DEV)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out = torch.full_like(q, 7.0)
-    decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5, num_splits=3, out=out, block_n=16,
-                     q_rows=q_rows)
-    ref = decode_attention_ref(q[q_rows], k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5)
+    decode_attention(
+        q, k_cache, v_cache, r2t, rows, seq_lens, 32**-0.5, num_splits=3, out=out, block_n=16, q_rows=q_rows
+    )
+    ref = decode_attention_ref(q[q_rows], k_cache, v_cache, r2t, rows, seq_lens, 32**-0.5)
     assert rel_err(out[q_rows], ref) < tol(dtype)
     untouched = [i for i in range(6) if i not in q_rows.tolist()]
     assert (out[untouched] == 7.0).all()
@@ -151,23 +165,37 @@ def test_decode_attention_rows(dtype, splits):
     pad = lambda t: torch.cat([t, torch.zeros(3, dtype=t.dtype, device=DEV)])  # noqa: E731 (room to spare)
     ctl = torch.tensor([len(lens), splits], dtype=torch.int64, device=DEV)
     out = torch.full_like(q, 7.0)
-    decode_attention_rows(q, k_cache, v_cache, r2t, pad(q_rows), pad(rows), pad(seq_lens), ctl, 32 ** -0.5, out,
-                          max_items=7 * splits, block_n=16)
-    ref = decode_attention_ref(q[q_rows], k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5)
+    decode_attention_rows(
+        q,
+        k_cache,
+        v_cache,
+        r2t,
+        pad(q_rows),
+        pad(rows),
+        pad(seq_lens),
+        ctl,
+        32**-0.5,
+        out,
+        max_items=7 * splits,
+        block_n=16,
+    )
+    ref = decode_attention_ref(q[q_rows], k_cache, v_cache, r2t, rows, seq_lens, 32**-0.5)
     assert rel_err(out[q_rows], ref) < tol(dtype)
     assert (out[[1, 3, 5]] == 7.0).all()
     per_batch = torch.full_like(q, 7.0)
-    decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, 32 ** -0.5, num_splits=splits, out=per_batch,
-                     block_n=16, q_rows=q_rows)
+    decode_attention(
+        q, k_cache, v_cache, r2t, rows, seq_lens, 32**-0.5, num_splits=splits, out=per_batch, block_n=16, q_rows=q_rows
+    )
     assert torch.equal(out, per_batch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64)])
-@pytest.mark.parametrize("prefix,extend", [([0], [23]), ([17], [5]), ([0, 40, 3, 0, 9, 64, 1], [7, 1, 30, 18, 2, 5, 33])])
+@pytest.mark.parametrize(
+    "prefix,extend", [([0], [23]), ([17], [5]), ([0, 40, 3, 0, 9, 64, 1], [7, 1, 30, 18, 2, 5, 33])]
+)
 def test_extend_attention(dtype, heads, kv_heads, head_dim, prefix, extend):
-    from radixlm.kernels.extend_attention import (extend_attention, extend_attention_ref, extend_block_m,
-                                                  extend_blocks)
+    from radixlm.kernels.extend_attention import extend_attention, extend_attention_ref, extend_block_m, extend_blocks
 
     lens = [p + e for p, e in zip(prefix, extend)]
     g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, heads, kv_heads, head_dim, lens, sum(lens) + head_dim)
@@ -175,13 +203,14 @@ def test_extend_attention(dtype, heads, kv_heads, head_dim, prefix, extend):
     p_t = torch.tensor(prefix, dtype=torch.int32, device=DEV)
     e_t = torch.tensor(extend, dtype=torch.int32, device=DEV)
     starts = torch.cumsum(e_t, 0, dtype=torch.int32) - e_t
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = poison(torch.empty_like(q))
     reqs, blocks = extend_blocks(extend, extend_block_m(head_dim, q.is_cuda))
     # The table in a random order, with unused (-1) entries mixed in, as a fixed-size CUDA graph table has them.
     order = torch.randperm(len(reqs) + 3, generator=g).tolist()
-    table = torch.tensor([(reqs + [-1] * 3)[i] for i in order] + [(blocks + [0] * 3)[i] for i in order],
-                         dtype=torch.int64).view(2, -1)
+    table = torch.tensor(
+        [(reqs + [-1] * 3)[i] for i in order] + [(blocks + [0] * 3)[i] for i in order], dtype=torch.int64
+    ).view(2, -1)
     extend_attention(q, k_cache, v_cache, r2t, rows, p_t, e_t, starts, table.to(DEV), scale, out=out)
     ref = extend_attention_ref(q, k_cache, v_cache, r2t, rows, p_t, e_t, scale)
     assert rel_err(out, ref) < tol(dtype)
@@ -200,7 +229,7 @@ def test_kv_indices():
     build_kv_indices(r2t, rows, seq, indptr, out)
     build_kv_indices_ref(r2t, rows, seq, indptr, ref)
     assert torch.equal(out, ref)
-    assert (out[sum(lens):] == -1).all()
+    assert (out[sum(lens) :] == -1).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

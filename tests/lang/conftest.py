@@ -1,5 +1,9 @@
-"""Backends for the frontend-language tests: the in-process Engine (EngineBackend over the session's SmolLM2
-engine), the launched server (RuntimeEndpoint) and its /v1 (OpenAI), and a way to set the default backend."""
+"""Backends for the frontend-language tests: the in-process Engine (EngineBackend over the session's fp32 SmolLM2
+engine), the launched server (RuntimeEndpoint, also fp32) and its /v1 (OpenAI), and a way to set the default
+backend. fp32 on both sides: these tests check the language's semantics by exact agreement between a program's
+results and the same requests sent directly, in other batch shapes; with the packed Q4 path's bf16 activations
+a different batch shape can flip a near-tie (tests/srt covers that path)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,16 +16,16 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # --- backends ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine_backend(smol_engine):
-    be = sgl.EngineBackend(smol_engine)
+def engine_backend(fp32_engine):
+    be = sgl.EngineBackend(fp32_engine)
     yield be
     be.shutdown()
     assert not be.driver.thread.is_alive()
     # The backend did not own the engine: it still serves, and is left idle and clean for other tests.
-    assert not smol_engine.has_unfinished_requests()
-    out = smol_engine.generate("Hello", {"max_new_tokens": 1, "temperature": 0})
+    assert not fp32_engine.has_unfinished_requests()
+    out = fp32_engine.generate("Hello", {"max_new_tokens": 1, "temperature": 0})
     assert out["meta_info"]["completion_tokens"] == 1
-    assert smol_engine.flush_cache()
+    assert fp32_engine.flush_cache()
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ at temperature 0 both must give the same text and variables. `select` is checked
 directly with the Engine, fork's prefix sharing against the server's cached_tokens, run_batch against runs
 one at a time, streaming against the final variables. Backends: conftest.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import uuid
 import pytest
 
 import radixlm as sgl
-
 
 # --- programs used by several tests ------------------------------------------------------------------------
 SPIDER_SCHEMA = {
@@ -120,10 +120,10 @@ def test_stop_string_is_not_part_of_the_variable(backend):
     assert st.text().endswith("Sentence 1:" + st["line"] + "|" + st["more"])
 
 
-def test_role_blocks_use_the_model_chat_template(engine_backend, smol_engine):
+def test_role_blocks_use_the_model_chat_template(engine_backend, fp32_engine):
     st = roles_prog.run(question="What is 2+2?", backend=engine_backend, temperature=0)
     msgs = [{"role": m["role"], "content": m["content"]} for m in st.messages()]
-    expected = smol_engine.tokenizer.apply_chat_template(msgs, tokenize=False)
+    expected = fp32_engine.tokenizer.apply_chat_template(msgs, tokenize=False)
     assert st.text() == expected
 
 
@@ -138,8 +138,9 @@ def _direct_choice_logprobs(engine, prompt: str, choice: str) -> list[float]:
     prefix = tok(prompt, add_special_tokens=True)["input_ids"]
     ids = tok(prompt + choice, add_special_tokens=True)["input_ids"]
     assert ids[: len(prefix)] == prefix  # the choice starts on a token boundary (else the test is ill-posed)
-    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                          logprob_start_len=len(prefix))
+    out = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=len(prefix)
+    )
     lps = [lp for lp, _tok in out["meta_info"]["input_token_logprobs"] if lp is not None]
     assert len(lps) == len(ids) - len(prefix)
     return lps
@@ -151,8 +152,8 @@ def select_prog(s, choices, method):
     s += sgl.select("city", choices=choices, choices_method=method)
 
 
-def test_select_picks_the_highest_length_normalized_logprob(backend, smol_engine):
-    direct = [_direct_choice_logprobs(smol_engine, SELECT_PROMPT, c) for c in SELECT_CHOICES]
+def test_select_picks_the_highest_length_normalized_logprob(backend, fp32_engine):
+    direct = [_direct_choice_logprobs(fp32_engine, SELECT_PROMPT, c) for c in SELECT_CHOICES]
     means = [sum(x) / len(x) for x in direct]
     best = max(range(len(means)), key=lambda i: means[i])
     assert best != 0 and sorted(means)[-1] - sorted(means)[-2] > 0.01  # a pick that means something
@@ -166,23 +167,23 @@ def test_select_picks_the_highest_length_normalized_logprob(backend, smol_engine
         assert got == pytest.approx(want, abs=1e-3)
 
 
-def test_gen_with_choices_is_a_select(backend, smol_engine):
+def test_gen_with_choices_is_a_select(backend, fp32_engine):
     @sgl.function
     def prog(s):
         s += SELECT_PROMPT + sgl.gen("city", choices=SELECT_CHOICES)
 
-    direct = [_direct_choice_logprobs(smol_engine, SELECT_PROMPT, c) for c in SELECT_CHOICES]
+    direct = [_direct_choice_logprobs(fp32_engine, SELECT_PROMPT, c) for c in SELECT_CHOICES]
     means = [sum(x) / len(x) for x in direct]
     st = prog.run(backend=backend)
     assert st["city"] == SELECT_CHOICES[max(range(len(means)), key=lambda i: means[i])]
     assert st.get_meta_info("city")["normalized_prompt_logprobs"] == pytest.approx(means, abs=1e-3)
 
 
-def test_select_after_a_trailing_space_scores_the_merged_token(backend, smol_engine):
-    """"...is " + "Paris" tokenizes as "...is" + " Paris": the choice's first token swallows the prefix's last
+def test_select_after_a_trailing_space_scores_the_merged_token(backend, fp32_engine):
+    """ "...is " + "Paris" tokenizes as "...is" + " Paris": the choice's first token swallows the prefix's last
     one. Each choice is scored from the first token that differs from the prefix alone, as the Engine sees it."""
     prompt = SELECT_PROMPT.rstrip(" ") + " "
-    tok = smol_engine.tokenizer
+    tok = fp32_engine.tokenizer
     prefix = tok(prompt)["input_ids"]
     choices = [c.strip() for c in SELECT_CHOICES]
     want = []
@@ -190,8 +191,9 @@ def test_select_after_a_trailing_space_scores_the_merged_token(backend, smol_eng
         ids = tok(prompt + c)["input_ids"]
         k = next(i for i in range(len(prefix) + 1) if i == len(prefix) or ids[i] != prefix[i])
         assert k < len(prefix)  # the boundary really merges (else this test checks nothing new)
-        out = smol_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                   logprob_start_len=k)
+        out = fp32_engine.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=k
+        )
         lps = [lp for lp, _t in out["meta_info"]["input_token_logprobs"] if lp is not None]
         want.append(sum(lps) / len(lps))
 
@@ -206,10 +208,10 @@ def test_select_after_a_trailing_space_scores_the_merged_token(backend, smol_eng
     assert st["city"] == choices[max(range(len(want)), key=lambda i: want[i])]
 
 
-def test_select_greedy_token_selection(backend, smol_engine):
+def test_select_greedy_token_selection(backend, fp32_engine):
     # distinct first tokens: greedy picks the choice whose first token is likeliest
     choices = [" Berlin", " Paris", " London is"]
-    first = [_direct_choice_logprobs(smol_engine, SELECT_PROMPT, c)[0] for c in choices]
+    first = [_direct_choice_logprobs(fp32_engine, SELECT_PROMPT, c)[0] for c in choices]
     assert sorted(first)[-1] - sorted(first)[-2] > 0.01
     st = select_prog.run(choices=choices, method=sgl.greedy_token_selection, backend=backend)
     assert st["city"] in choices
@@ -219,12 +221,13 @@ def test_select_greedy_token_selection(backend, smol_engine):
 def _direct_unconditional_logprobs(engine, choice: str) -> list[float]:
     """The logprobs of `choice`'s tokens with no prompt (its first token has none: nothing precedes it)."""
     ids = engine.tokenizer(choice, add_special_tokens=True)["input_ids"]
-    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                          logprob_start_len=0)
+    out = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
     return [lp for lp, _tok in out["meta_info"]["input_token_logprobs"] if lp is not None]
 
 
-def test_select_unconditional_likelihood_normalized(backend, smol_engine):
+def test_select_unconditional_likelihood_normalized(backend, fp32_engine):
     st = select_prog.run(choices=SELECT_CHOICES, method=sgl.unconditional_likelihood_normalized, backend=backend)
     assert st["city"] in SELECT_CHOICES
     scores = st.get_meta_info("city")["normalized_prompt_logprobs"]
@@ -235,8 +238,8 @@ def test_select_unconditional_likelihood_normalized(backend, smol_engine):
     # prompt), the first token's unconditional logprob (which has no context) counting as 0
     want = []
     for c in SELECT_CHOICES:
-        cond = _direct_choice_logprobs(smol_engine, SELECT_PROMPT, c)
-        uncond = _direct_unconditional_logprobs(smol_engine, c)
+        cond = _direct_choice_logprobs(fp32_engine, SELECT_PROMPT, c)
+        uncond = _direct_unconditional_logprobs(fp32_engine, c)
         assert len(uncond) == len(cond) - 1
         want.append((sum(cond) - sum(uncond)) / len(cond))
     assert scores == pytest.approx(want, abs=1e-3)
@@ -254,11 +257,12 @@ def long_prefix_fork(s, prefix):
     s.set_var("branches", list(forks))
 
 
-def test_fork_branches_share_the_prefix(backend, smol_engine):
+def test_fork_branches_share_the_prefix(backend, fp32_engine):
     # a prefix no earlier request had (fresh nonce), so what is cached came from this program
     prefix = f"Notes {uuid.uuid4().hex}.\n" + " ".join(
-        f"Fact {i}: the number {i} squared is {i * i}." for i in range(30))
-    n_prefix = len(smol_engine.tokenizer(prefix, add_special_tokens=True)["input_ids"])
+        f"Fact {i}: the number {i} squared is {i * i}." for i in range(30)
+    )
+    n_prefix = len(fp32_engine.tokenizer(prefix, add_special_tokens=True)["input_ids"])
     assert n_prefix > 300
     st = long_prefix_fork.run(prefix=prefix, backend=backend, temperature=0)
     branches = st["branches"]
@@ -279,11 +283,27 @@ def batch_qa(s, question):
 
 
 def test_run_batch_of_32_gives_what_each_gives_alone(backend):
-    args = [{"question": f"What is {i} plus {i % 7 + 1}?"} for i in range(16)] + \
-           [{"question": q} for q in ("Name a color.", "Name a fruit.", "Who wrote Hamlet?", "What is water?",
-                                      "Name a planet.", "What do cats eat?", "Where is Paris?", "Name a river.",
-                                      "What is 2+2?", "Name a bird.", "What is ice?", "Name a tree.",
-                                      "What is the sun?", "Name a metal.", "What is a noun?", "Name a dog breed.")]
+    args = [{"question": f"What is {i} plus {i % 7 + 1}?"} for i in range(16)] + [
+        {"question": q}
+        for q in (
+            "Name a color.",
+            "Name a fruit.",
+            "Who wrote Hamlet?",
+            "What is water?",
+            "Name a planet.",
+            "What do cats eat?",
+            "Where is Paris?",
+            "Name a river.",
+            "What is 2+2?",
+            "Name a bird.",
+            "What is ice?",
+            "Name a tree.",
+            "What is the sun?",
+            "Name a metal.",
+            "What is a noun?",
+            "Name a dog breed.",
+        )
+    ]
     assert len(args) == 32
     batch = batch_qa.run_batch(args, backend=backend, temperature=0, num_threads=32)
     assert len(batch) == 32

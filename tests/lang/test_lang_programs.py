@@ -2,6 +2,7 @@
 unchanged; misuse and failing backends give clear LangErrors; the OpenAI backend runs chat programs on the
 server's /v1. Backends: conftest.py.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,10 +12,10 @@ import pytest
 
 import radixlm as sgl
 
-
 # --- SGLang's documented programs, unchanged -------------------------------------------------------------
 # (from SGLang's README / frontend docs and examples/frontend_language/usage/readme_examples.py; only the
 # max_tokens numbers are smaller, to fit a CPU)
+
 
 @sgl.function
 def multi_turn_question(s, question_1, question_2):
@@ -37,14 +38,11 @@ def tool_use(s, question):
 
 @sgl.function
 def tip_suggestion(s):
-    s += (
-        "Here are two tips for staying healthy: "
-        "1. Balanced Diet. 2. Regular Exercise.\n\n"
-    )
+    s += "Here are two tips for staying healthy: 1. Balanced Diet. 2. Regular Exercise.\n\n"
     forks = s.fork(2)
     for i, f in enumerate(forks):
-        f += f"Now, expand tip {i+1} into a paragraph:\n"
-        f += sgl.gen(f"detailed_tip", max_tokens=16, stop="\n\n")
+        f += f"Now, expand tip {i + 1} into a paragraph:\n"
+        f += sgl.gen("detailed_tip", max_tokens=16, stop="\n\n")
     s += "Tip 1:" + forks[0]["detailed_tip"] + "\n"
     s += "Tip 2:" + forks[1]["detailed_tip"] + "\n"
     s += "In summary" + sgl.gen("summary")
@@ -124,8 +122,7 @@ def test_sglang_regex_batching_streaming(default_backend, http_backend):
         assert st.error is None and "\n" not in st["answer"]
         assert st.text().startswith("Q: What is the capital of ")
 
-    state = text_qa.run(question="What is the capital of France?", temperature=0.1, stream=True,
-                        max_new_tokens=12)
+    state = text_qa.run(question="What is the capital of France?", temperature=0.1, stream=True, max_new_tokens=12)
     streamed = "".join(state.text_iter())
     assert streamed == state.text() and streamed.startswith("Q: What is the capital of France?\nA:")
 
@@ -138,16 +135,17 @@ def test_sglang_chat_example_with_role_context_managers(default_backend, http_ba
     assert state.messages()[2]["content"] == "Answer: " + state["answer"]
 
 
-def test_set_default_backend_accepts_an_engine(default_backend, smol_engine, engine_backend):
-    default_backend(smol_engine)
+def test_set_default_backend_accepts_an_engine(default_backend, fp32_engine, engine_backend):
+    default_backend(fp32_engine)
     be = sgl.get_default_backend()
     try:
-        assert isinstance(be, sgl.EngineBackend) and be.engine is smol_engine
+        assert isinstance(be, sgl.EngineBackend) and be.engine is fp32_engine
         state = text_qa.run(question="What is the capital of Japan?", temperature=0, max_new_tokens=8)
     finally:
         be.shutdown()  # its own driver thread; the engine is not its to shut down
-    again = text_qa.run(question="What is the capital of Japan?", backend=engine_backend, temperature=0,
-                        max_new_tokens=8)
+    again = text_qa.run(
+        question="What is the capital of Japan?", backend=engine_backend, temperature=0, max_new_tokens=8
+    )
     assert state.text() == again.text()
 
 
@@ -198,8 +196,9 @@ def regex_prog(s, pattern):
 
 
 def test_run_batch_keeps_a_failing_program_to_its_own_state(backend):
-    states = regex_prog.run_batch([{"pattern": r"[0-9]{2}"}, {"pattern": "("}, {"pattern": r"[1-5]"}],
-                                  backend=backend, temperature=0)
+    states = regex_prog.run_batch(
+        [{"pattern": r"[0-9]{2}"}, {"pattern": "("}, {"pattern": r"[1-5]"}], backend=backend, temperature=0
+    )
     assert len(states) == 3
     bad = states[1]
     assert isinstance(bad.error, sgl.LangError)
@@ -260,6 +259,7 @@ def test_openai_backend_chat_and_select(openai_backend, http_backend):
     assert st.messages()[2]["content"] == st["answer"]
     meta = st.get_meta_info("answer")
     assert meta["completion_tokens"] <= 12 and meta["prompt_tokens"] > 0
+
     # the server applies the same chat template the native backend's role blocks use: same answer
     @sgl.function
     def native(s, question):
@@ -267,8 +267,10 @@ def test_openai_backend_chat_and_select(openai_backend, http_backend):
         s += sgl.user(question)
         s += sgl.assistant(sgl.gen("answer", max_tokens=12))
 
-    assert native.run(question="What is the capital of France?", backend=http_backend,
-                      temperature=0)["answer"] == st["answer"]
+    assert (
+        native.run(question="What is the capital of France?", backend=http_backend, temperature=0)["answer"]
+        == st["answer"]
+    )
 
 
 def test_openai_backend_gen_outside_assistant_is_an_error(openai_backend):

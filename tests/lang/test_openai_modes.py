@@ -3,6 +3,7 @@ model (the program's text as the prompt, select by prompt logprobs), a chat mode
 assistant turn, and API speculative execution on a chat model. At temperature 0 each must give what the native
 backend gives for the same prompt (conftest.py: the server, its RuntimeEndpoint and MODEL_NAME).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -100,8 +101,12 @@ def _card(spec_tokens):
     def card(s):
         s += sgl.system("You are a helpful assistant.")
         s += sgl.user("Describe Ada Lovelace.")
-        s += sgl.assistant("Employee record #4471, first field:" + sgl.gen("name", max_tokens=8, stop="\n") +
-                           "\nJob:" + sgl.gen("job", max_tokens=8, stop="\n"))
+        s += sgl.assistant(
+            "Employee record #4471, first field:"
+            + sgl.gen("name", max_tokens=8, stop="\n")
+            + "\nJob:"
+            + sgl.gen("job", max_tokens=8, stop="\n")
+        )
 
     return card
 

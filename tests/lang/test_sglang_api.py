@@ -3,6 +3,7 @@ dtype / gen_int / gen_string, n, stop_regex, logprob options, var_scope, item as
 run()/run_batch() keywords, global_config, flush_cache, get_server_info, token_usage and API speculative
 execution. Our own programs, on the embedded SmolLM2 (backends: conftest.py).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -19,13 +20,50 @@ from radixlm.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, resol
 from radixlm.lang.speculative import Term, split_turn
 
 # SGLang's order (python/sglang/lang/api.py): a program that passes these positionally must mean the same here
-SGLANG_GEN_ORDER = ["name", "max_tokens", "min_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature",
-                    "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "return_logprob",
-                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "dtype", "choices",
-                    "choices_method", "regex", "json_schema"]
-SGLANG_GEN_INT_ORDER = ["name", "max_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
-                        "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos", "return_logprob",
-                        "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"]
+SGLANG_GEN_ORDER = [
+    "name",
+    "max_tokens",
+    "min_tokens",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "ignore_eos",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "dtype",
+    "choices",
+    "choices_method",
+    "regex",
+    "json_schema",
+]
+SGLANG_GEN_INT_ORDER = [
+    "name",
+    "max_tokens",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "ignore_eos",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+]
 
 
 def _positional(fn) -> list[str]:
@@ -81,8 +119,12 @@ def test_unknown_run_keyword_is_a_clear_type_error_before_the_program_runs():
 
 
 def test_split_turn_reads_each_term_from_one_answer():
-    terms = [Term(text="Name:"), Term(gen=sgl.gen("name"), params={"stop": "\n"}), Term(text="\nJob:"),
-             Term(gen=sgl.gen("job"), params={"stop": ["\n"]})]
+    terms = [
+        Term(text="Name:"),
+        Term(gen=sgl.gen("name"), params={"stop": "\n"}),
+        Term(text="\nJob:"),
+        Term(gen=sgl.gen("job"), params={"stop": ["\n"]}),
+    ]
     assert split_turn("Name: Ada\nJob: engineer\nmore", terms) == ["Name:", " Ada", "\nJob:", " engineer"]
     assert split_turn("Name: Ada", terms) is None  # the second fixed text never comes
     assert split_turn("Title: Ada\nJob: x", terms) is None  # the first does not match
@@ -135,7 +177,7 @@ def test_gen_n_gives_every_sample_and_the_first_joins_the_text(backend):
     assert st.text() == "A random fruit:" + fruits[0] + "|"
 
 
-def test_stop_regex_cuts_the_text_and_ends_the_request(backend, smol_engine):
+def test_stop_regex_cuts_the_text_and_ends_the_request(backend, fp32_engine):
     @sgl.function
     def prog(s, pattern):
         s += "Counting: one, two, three," + sgl.gen("count", max_tokens=48, stop_regex=pattern)
@@ -150,16 +192,17 @@ def test_stop_regex_cuts_the_text_and_ends_the_request(backend, smol_engine):
     assert st2["count"] == " "  # cut before "four,"
     if isinstance(backend, sgl.EngineBackend):  # the request the match closed was aborted, not left running
         deadline = time.monotonic() + 30
-        while (backend.driver.aborted or smol_engine.has_unfinished_requests()) and time.monotonic() < deadline:
+        while (backend.driver.aborted or fp32_engine.has_unfinished_requests()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not backend.driver.aborted and not smol_engine.has_unfinished_requests()
+        assert not backend.driver.aborted and not fp32_engine.has_unfinished_requests()
 
 
 def test_logprob_options_from_gen_and_from_run(backend):
     @sgl.function
     def prog(s):
-        s += "The capital of France is" + sgl.gen("a", max_tokens=3, return_logprob=True, top_logprobs_num=2,
-                                                  return_text_in_logprobs=True)
+        s += "The capital of France is" + sgl.gen(
+            "a", max_tokens=3, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+        )
         s += "." + sgl.gen("b", max_tokens=2)
 
     st = prog.run(backend=backend, temperature=0)
@@ -280,7 +323,7 @@ def test_run_batch_generator_style_and_tuple_arguments(backend):
 
 
 # --- global_config, server calls, token usage -------------------------------------------------------------------
-def test_global_config_default_backend_and_server_calls(default_backend, backend, smol_engine):
+def test_global_config_default_backend_and_server_calls(default_backend, backend, fp32_engine):
     default_backend(backend)
     assert sgl.global_config.default_backend is backend and sgl.get_default_backend() is backend
     name = backend.get_model_name()
@@ -296,20 +339,22 @@ def test_global_config_default_backend_and_server_calls(default_backend, backend
     backend.token_usage.reset()
     first = prog.run(nonce=nonce, temperature=0)
     meta = first.get_meta_info("x")
-    assert (backend.token_usage.prompt_tokens, backend.token_usage.completion_tokens) == \
-        (meta["prompt_tokens"], meta["completion_tokens"])
+    assert (backend.token_usage.prompt_tokens, backend.token_usage.completion_tokens) == (
+        meta["prompt_tokens"],
+        meta["completion_tokens"],
+    )
     assert prog.run(nonce=nonce, temperature=0).get_meta_info("x")["cached_tokens"] >= meta["prompt_tokens"] - 2
     assert sgl.flush_cache() is True
     assert prog.run(nonce=nonce, temperature=0).get_meta_info("x")["cached_tokens"] == 0  # really flushed
 
 
-def test_global_config_takes_an_engine(default_backend, smol_engine):
+def test_global_config_takes_an_engine(default_backend, fp32_engine):
     default_backend(None)
     assert sgl.flush_cache() is False and sgl.get_server_info() is None  # no backend: SGLang's answers
-    sgl.global_config.default_backend = smol_engine
+    sgl.global_config.default_backend = fp32_engine
     be = sgl.global_config.default_backend
     try:
-        assert isinstance(be, sgl.EngineBackend) and be.engine is smol_engine
+        assert isinstance(be, sgl.EngineBackend) and be.engine is fp32_engine
     finally:
         be.shutdown()
 

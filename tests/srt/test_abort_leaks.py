@@ -2,6 +2,7 @@
 aborted at every stage a client can hang up in (waiting, a grammar compiling, a long prompt half prefilled in
 chunks, decoding, a token still in flight) and afterwards no request object is alive, every KV slot and request
 row is free, and the scheduler's invariants hold."""
+
 from __future__ import annotations
 
 import gc
@@ -20,8 +21,13 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_aborts_leave_no_request_alive(overlap):
-    engine = radixlm.Engine(log_level="warning", max_total_tokens=8192, chunked_prefill_size=64,
-                            force_overlap_schedule=overlap, disable_overlap_schedule=not overlap)
+    engine = radixlm.Engine(
+        log_level="warning",
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        force_overlap_schedule=overlap,
+        disable_overlap_schedule=not overlap,
+    )
     assert engine.scheduler.overlap == overlap
     rng = random.Random(0)
     refs, aborted = [], 0

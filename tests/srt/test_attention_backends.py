@@ -1,5 +1,6 @@
 """The Triton attention backend and the Triton layer ops inside the real model, against the torch-native path
 and transformers. On CPU the kernels run in Triton's interpreter (tests/conftest.py), on CUDA compiled."""
+
 import pytest
 import torch
 
@@ -20,8 +21,15 @@ def _triton_engine(path, **kw):
     from radixlm.srt.layers.ops import triton_ops
 
     # fp32 on CUDA too (its default would be bf16): the bounds below are for the math, not for rounding
-    engine = radixlm.Engine(str(path), log_level="warning", max_total_tokens=2048, attention_backend="triton",
-                            device=DEVICE, dtype="float32", **kw)
+    engine = radixlm.Engine(
+        str(path),
+        log_level="warning",
+        max_total_tokens=2048,
+        attention_backend="triton",
+        device=DEVICE,
+        dtype="float32",
+        **kw,
+    )
     engine.runner.model.set_kernel_ops(triton_ops())  # on CPU the runner would pick the torch references
     assert engine.runner.model.model.cpu_path is None  # the module path runs, not the flat CPU loop
     return engine
@@ -44,8 +52,14 @@ def test_triton_backend_logits_match_transformers(tiny_dirs, arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_backend_generates_what_torch_native_does(tiny_dirs, arch):
     prompts = [IDS, IDS[:7], IDS[3:] + IDS[:4], IDS[:15]]  # ragged, with shared prefixes
-    ref = radixlm.Engine(str(tiny_dirs[arch]), log_level="warning", max_total_tokens=2048, device=DEVICE,
-                         attention_backend="torch_native", dtype="float32")  # as _triton_engine (CUDA: bf16)
+    ref = radixlm.Engine(
+        str(tiny_dirs[arch]),
+        log_level="warning",
+        max_total_tokens=2048,
+        device=DEVICE,
+        attention_backend="torch_native",
+        dtype="float32",
+    )  # as _triton_engine (CUDA: bf16)
     expected = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=GREEDY)]
     for kw in ({}, {"force_overlap_schedule": True, "enable_mixed_chunk": True, "chunked_prefill_size": 8}):
         engine = _triton_engine(tiny_dirs[arch], **kw)

@@ -1,4 +1,5 @@
 """The scheduler loop's CPU guard: moving off CPUs that interrupts, softirqs or the hypervisor take time from."""
+
 from __future__ import annotations
 
 import os
@@ -26,11 +27,18 @@ class FakeHost:
 
     def spend(self, cpu: int, user=0, idle=0, soft=0, steal=0) -> None:
         t = self.ticks[cpu]
-        t[0] += user; t[1] += idle; t[2] += soft; t[3] += steal
+        t[0] += user
+        t[1] += idle
+        t[2] += soft
+        t[3] += steal
 
     def guard(self) -> CpuGuard:
-        g = CpuGuard("test", read_stat=lambda: _stat(self.ticks), where=lambda: self.here,
-                     set_affinity=lambda pid, cpus: self.calls.append((pid, list(cpus))))
+        g = CpuGuard(
+            "test",
+            read_stat=lambda: _stat(self.ticks),
+            where=lambda: self.here,
+            set_affinity=lambda pid, cpus: self.calls.append((pid, list(cpus))),
+        )
         g.allowed = set(self.ticks)
         g._due = 0.0  # every tick checks
         return g
@@ -79,8 +87,9 @@ def test_guard_stays_put_on_a_quiet_cpu_and_with_nowhere_quieter_to_go():
 def test_guard_reads_at_most_once_per_interval():
     host = FakeHost({0, 1}, here=0)
     reads = []
-    g = CpuGuard("test", read_stat=lambda: reads.append(1) or _stat(host.ticks), where=lambda: 0,
-                 set_affinity=lambda *a: None)
+    g = CpuGuard(
+        "test", read_stat=lambda: reads.append(1) or _stat(host.ticks), where=lambda: 0, set_affinity=lambda *a: None
+    )
     assert len(reads) == 1  # the first window starts at construction
     for _ in range(1000):
         g.tick()
@@ -92,8 +101,13 @@ def test_guard_with_an_earlier_sample_checks_that_window_at_the_first_tick():
     since = lost_ticks(_stat(host.ticks))  # taken as the process started
     host.spend(0, user=800, soft=200)  # model loading: CPU 0 lost 20%
     host.spend(1, idle=1000)
-    g = CpuGuard("test", read_stat=lambda: _stat(host.ticks), where=lambda: 0,
-                 set_affinity=lambda pid, cpus: host.calls.append((pid, list(cpus))), since=since)
+    g = CpuGuard(
+        "test",
+        read_stat=lambda: _stat(host.ticks),
+        where=lambda: 0,
+        set_affinity=lambda pid, cpus: host.calls.append((pid, list(cpus))),
+        since=since,
+    )
     g.allowed = {0, 1}
     g.tick()
     assert host.calls == [(0, [1])] and g.moves == [(0, 0.2, [1])]

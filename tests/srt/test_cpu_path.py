@@ -1,5 +1,6 @@
 """The flat CPU layer loop (srt/models/llama_cpu.py) against the module path it replaces, and our Q8_0 head
 kernel (srt/layers/quantization/q8_gemm.c) against fp64 on the dequantized weights."""
+
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from tests.srt.test_model_correctness import PROMPT_IDS
 
 def _module_path(engine):
     """Context: the engine's model runs its nn.Module layers (the reference) instead of the CPU loop."""
+
     class _Ctx:
         def __enter__(self):
             self.model = engine.runner.model.model
@@ -32,12 +34,29 @@ def _decode_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
         for row, s, p in zip(rows, slots, prompts):
             r.req_to_token_pool.write(row, 0, s)
             n = len(p) - 1
-            r.forward(ForwardBatch.build(ForwardMode.EXTEND, r.device, input_ids=p[:n], positions=list(range(n)),
-                                         req_pool_indices=[row], seq_lens=[n], out_cache_loc=s[:n],
-                                         logits_indices=[n - 1], extend_prefix_lens=[0], extend_seq_lens=[n]))
-        fb = ForwardBatch.build(ForwardMode.DECODE, r.device, input_ids=[p[-1] for p in prompts],
-                                positions=[len(p) - 1 for p in prompts], req_pool_indices=rows,
-                                seq_lens=[len(p) for p in prompts], out_cache_loc=torch.stack([s[-1] for s in slots]))
+            r.forward(
+                ForwardBatch.build(
+                    ForwardMode.EXTEND,
+                    r.device,
+                    input_ids=p[:n],
+                    positions=list(range(n)),
+                    req_pool_indices=[row],
+                    seq_lens=[n],
+                    out_cache_loc=s[:n],
+                    logits_indices=[n - 1],
+                    extend_prefix_lens=[0],
+                    extend_seq_lens=[n],
+                )
+            )
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE,
+            r.device,
+            input_ids=[p[-1] for p in prompts],
+            positions=[len(p) - 1 for p in prompts],
+            req_pool_indices=rows,
+            seq_lens=[len(p) for p in prompts],
+            out_cache_loc=torch.stack([s[-1] for s in slots]),
+        )
         return r.forward(fb)
     finally:
         for row, s in zip(rows, slots):
@@ -50,12 +69,12 @@ def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def cpu_engine(smol_engine):
-    """The session's engine where it runs on CPU (the suite on a GPU machine loads a CPU one here)."""
-    if smol_engine.runner.device.type == "cpu":
-        yield smol_engine
+def cpu_engine(fp32_engine):
+    """An fp32 engine on CPU (the suite on a GPU machine loads a CPU one here)."""
+    if fp32_engine.runner.device.type == "cpu":
+        yield fp32_engine
         return
-    engine = radixlm.Engine(log_level="warning", max_total_tokens=4096, device="cpu")
+    engine = radixlm.Engine(log_level="warning", max_total_tokens=4096, device="cpu", quantization="none")
     yield engine
     engine.shutdown()
 
@@ -66,11 +85,17 @@ def test_cpu_loop_matches_module_path_fp32(cpu_engine):
     assert smol_engine.runner.model.model.cpu_path is not None
     chat = smol_engine.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
     prompts = [chat, PROMPT_IDS, chat[:7]]
-    fast = [forward_logits(smol_engine, chat), forward_logits(smol_engine, chat, split=9),
-            _decode_logits(smol_engine, prompts)]
+    fast = [
+        forward_logits(smol_engine, chat),
+        forward_logits(smol_engine, chat, split=9),
+        _decode_logits(smol_engine, prompts),
+    ]
     with _module_path(smol_engine):
-        ref = [forward_logits(smol_engine, chat), forward_logits(smol_engine, chat, split=9),
-               _decode_logits(smol_engine, prompts)]
+        ref = [
+            forward_logits(smol_engine, chat),
+            forward_logits(smol_engine, chat, split=9),
+            _decode_logits(smol_engine, prompts),
+        ]
     for a, b in zip(fast, ref):
         assert _rel(b, a) < 1e-5
     # the ragged batch's rows are each request's own logits
@@ -95,7 +120,7 @@ def test_q8_gemm_matches_fp64(m):
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     d = torch.rand(n, k // 32, generator=g).half().float() / 50  # fp16 scales, as in the file
     big = torch.randn(m, k + 5, generator=g)
-    x = big[:, 2:k + 2]  # a row stride other than k
+    x = big[:, 2 : k + 2]  # a row stride other than k
     w = (q.view(n, -1, 32).double() * d.double().unsqueeze(-1)).view(n, k)
     ref = x.double() @ w.T
     y = cpu_ext.q8_gemm(q, d, x)

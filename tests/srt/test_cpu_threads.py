@@ -1,6 +1,7 @@
 """CPU defaults that decide whether a shared or small machine serves well: the forward's thread count from the
 CPUs the process may use (affinity, cgroup quota), a passive OpenMP wait unless the operator says otherwise,
 and a KV pool sized to the model."""
+
 import os
 import subprocess
 import sys
@@ -14,8 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _python(code: str, env_extra: dict | None = None, drop: tuple = ()) -> str:
     env = {k: v for k, v in os.environ.items() if k not in drop} | (env_extra or {})
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
-                          check=True, timeout=300).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True, timeout=300
+    ).stdout.strip()
 
 
 def _cgroup(tmp_path, v2: str | None = None, v1: tuple[str, str] | None = None):
@@ -52,9 +54,11 @@ def test_affinity_cuts_the_thread_count_of_a_cpu_engine():
     OpenMP default otherwise), and says so at start-up."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs to pin to fewer")  # CI has two
-    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); import radixlm, torch; "
-            "from radixlm.srt.cpu_threads import configure_cpu_forward; line = configure_cpu_forward(); "
-            "print(torch.get_num_threads()); print(line)")
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); import radixlm, torch; "
+        "from radixlm.srt.cpu_threads import configure_cpu_forward; line = configure_cpu_forward(); "
+        "print(torch.get_num_threads()); print(line)"
+    )
     threads, line = _python(code, drop=("OMP_NUM_THREADS",)).splitlines()[-2:]
     assert threads == "1" and line.startswith("1 threads") and "PASSIVE" in line
     # the operator's OMP_NUM_THREADS is kept
@@ -69,8 +73,10 @@ def test_passive_wait_is_the_default_and_the_operator_s_choice_wins():
     assert _python(code, {"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
     assert _python(code, {"GOMP_SPINCOUNT": "10000"}, drop=("OMP_WAIT_POLICY",)) == "None"
     # imported after torch, the default cannot reach this process's OpenMP: the start-up line says so
-    late = ("import torch, radixlm; from radixlm.srt.cpu_threads import configure_cpu_forward; "
-            "print(configure_cpu_forward())")
+    late = (
+        "import torch, radixlm; from radixlm.srt.cpu_threads import configure_cpu_forward; "
+        "print(configure_cpu_forward())"
+    )
     assert "torch was imported before radixlm" in _python(late, drop=drop)
 
 
@@ -82,6 +88,7 @@ def test_cpu_kv_pool_is_sized_to_the_model(smol_engine):
     runner = smol_engine.runner
     bytes_per_token = runner.config.kv_bytes_per_token * 4
     tokens = runner._default_kv_tokens(bytes_per_token, smol_engine.server_args)
-    assert tokens == min(2 * (runner.context_length + 1),
-                         model_runner._mem_available_bytes() // 5 // bytes_per_token, 65536)
+    assert tokens == min(
+        2 * (runner.context_length + 1), model_runner._mem_available_bytes() // 5 // bytes_per_token, 65536
+    )
     assert tokens * bytes_per_token < 1 << 30  # the 135M model's pool stays under 1 GiB

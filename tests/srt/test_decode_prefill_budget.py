@@ -1,7 +1,7 @@
 """While streams decode, a new prompt's prefill is spread over steps of at most `decode_prefill_budget` prompt
 tokens with the decodes riding along: no stream waits for a whole prompt, and the answers are the ones the
 unbudgeted scheduler gives."""
-import os
+
 import random
 
 import pytest
@@ -18,7 +18,6 @@ def tiny_dir(tmp_path_factory):
 
 
 def _engine(path, **kw):
-    kw.setdefault("dtype", os.environ.get("RADIXLM_TEST_DTYPE", "auto"))
     return radixlm.Engine(str(path), log_level="warning", max_total_tokens=4096, **kw)
 
 
@@ -60,7 +59,7 @@ def test_a_long_prompt_does_not_stall_a_decoding_stream(tiny_dir, overlap):
     whole = _engine(tiny_dir, chunked_prefill_size=-1, **mode)  # the default: no budget
     assert whole.scheduler.decode_prefill_budget is None
     w_steps, w_stream, w_late = _run(whole, long_prompt, short_prompt)
-    (taken, riders), = [(t, r) for t, r, decoding in w_steps if decoding]  # one step, the stream waiting
+    ((taken, riders),) = [(t, r) for t, r, decoding in w_steps if decoding]  # one step, the stream waiting
     assert taken >= 190 and riders == 0  # (a token or two may come from the radix cache)
     assert (stream_ids, late_ids) == (w_stream, w_late)  # same answers either way
     assert_engine_idle(whole)

@@ -1,4 +1,5 @@
 """The in-process Engine on the embedded SmolLM2: batching, sampling options, streaming, bad input."""
+
 import os
 import subprocess
 import sys
@@ -9,9 +10,16 @@ import radixlm
 from radixlm.srt.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
-PROMPTS = ["Hi", "The capital of France is", "List three colors:", "def fibonacci(n):",
-           "Once upon a time, in a land far, far away, there lived a",
-           "Water boils at", "1, 2, 3, 4,", "The quick brown fox jumps over the lazy dog. The quick brown"]
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "List three colors:",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far, far away, there lived a",
+    "Water boils at",
+    "1, 2, 3, 4,",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+]
 
 
 def _idle_and_clean(engine):
@@ -39,17 +47,20 @@ def test_result_shape_and_usage(smol_engine):
 
 
 def test_chat_answers_paris(smol_engine):
-    out = smol_engine.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           {"temperature": 0, "max_new_tokens": 24})
+    out = smol_engine.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], {"temperature": 0, "max_new_tokens": 24}
+    )
     assert "Paris" in out["text"]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
 def test_default_model_from_clean_cache_dir(tmp_path):
     """Fresh cache: the default model downloads, converts its tokenizer and answers."""
-    code = ("import radixlm; e = radixlm.Engine(log_level='warning', max_total_tokens=2048); "
-            "out = e.chat([{'role': 'user', 'content': 'What is the capital of France?'}], "
-            "{'temperature': 0, 'max_new_tokens': 24}); print('ANSWER:', out['text'])")
+    code = (
+        "import radixlm; e = radixlm.Engine(log_level='warning', max_total_tokens=2048); "
+        "out = e.chat([{'role': 'user', 'content': 'What is the capital of France?'}], "
+        "{'temperature': 0, 'max_new_tokens': 24}); print('ANSWER:', out['text'])"
+    )
     env = {**os.environ, "RADIXLM_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -88,12 +99,12 @@ def test_stop_strings_and_stop_token_ids(smol_engine):
     cut = smol_engine.generate("1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 20, "stop": [" 6"]})
     assert cut["text"] == base["text"][: base["text"].index(" 6")]
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 6"}
-    kept = smol_engine.generate("1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 20, "stop": " 6",
-                                                "no_stop_trim": True})
+    kept = smol_engine.generate(
+        "1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 20, "stop": " 6", "no_stop_trim": True}
+    )
     assert kept["text"] == base["text"][: base["text"].index(" 6") + 2]
     stop_id = base["output_ids"][3]
-    by_id = smol_engine.generate("1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 20,
-                                                 "stop_token_ids": [stop_id]})
+    by_id = smol_engine.generate("1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_id]})
     assert by_id["output_ids"] == base["output_ids"][: base["output_ids"].index(stop_id) + 1]
     assert by_id["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
 
@@ -111,16 +122,19 @@ def test_eos_and_ignore_eos(smol_engine):
 
 def test_logit_bias_bans_and_forces_tokens(smol_engine):
     base = smol_engine.generate("The capital of France is", GREEDY)["output_ids"]
-    banned = smol_engine.generate("The capital of France is",
-                                  {**GREEDY, "logit_bias": {str(base[0]): -100}})["output_ids"]
+    banned = smol_engine.generate("The capital of France is", {**GREEDY, "logit_bias": {str(base[0]): -100}})[
+        "output_ids"
+    ]
     assert banned[0] != base[0] and base[0] not in banned
     forced_id = smol_engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
-    forced = smol_engine.generate("The capital of France is",
-                                  {"temperature": 0.7, "seed": 3, "max_new_tokens": 4, "logit_bias": {forced_id: 100}})
+    forced = smol_engine.generate(
+        "The capital of France is", {"temperature": 0.7, "seed": 3, "max_new_tokens": 4, "logit_bias": {forced_id: 100}}
+    )
     assert forced["output_ids"] == [forced_id] * 4
     # a biased request batched with an unbiased one leaves the other's output alone
-    both = smol_engine.generate(["The capital of France is", "Water boils at"],
-                                [{**GREEDY, "logit_bias": {base[0]: -100}}, GREEDY])
+    both = smol_engine.generate(
+        ["The capital of France is", "Water boils at"], [{**GREEDY, "logit_bias": {base[0]: -100}}, GREEDY]
+    )
     assert both[0]["output_ids"] == banned
     assert both[1]["output_ids"] == smol_engine.generate("Water boils at", GREEDY)["output_ids"]
     with pytest.raises(InvalidRequest) as err:
@@ -153,8 +167,13 @@ def test_penalties_change_repetitive_output(smol_engine):
 
 
 def test_logprobs(smol_engine):
-    out = smol_engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 4},
-                               return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+    out = smol_engine.generate(
+        "The capital of France is",
+        {"temperature": 0, "max_new_tokens": 4},
+        return_logprob=True,
+        top_logprobs_num=3,
+        logprob_start_len=0,
+    )
     meta = out["meta_info"]
     lps = meta["output_token_logprobs"]
     assert [t for _, t in lps] == out["output_ids"]
@@ -182,17 +201,20 @@ def test_max_new_tokens_zero_prefills_only(smol_engine):
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -3}, "top_k"),
-    ({"min_p": 2}, "min_p"),
-    ({"n": 0}, "n"),
-    ({"stop": [""]}, "stop"),
-    ({"tempertaure": 0.5}, "tempertaure"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"stop": [""]}, "stop"),
+        ({"tempertaure": 0.5}, "tempertaure"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(smol_engine, params, field):
     with pytest.raises(InvalidRequest) as err:
         smol_engine.generate("Hello", params)
@@ -222,6 +244,7 @@ def test_bad_prompts(smol_engine):
 
 def test_device_out_of_memory_fails_its_batch_only(smol_engine, monkeypatch):
     import torch
+
     reference = smol_engine.generate(PROMPTS[:3], GREEDY)
     real, calls = smol_engine.runner.run_forward, []  # graph replay or eager forward: every device step
 
@@ -286,8 +309,9 @@ def test_overlap_engine_idle_after_stop():
     engine = radixlm.Engine(force_overlap_schedule=True, log_level="warning", max_total_tokens=4096)
     try:
         for stream in (False, True):
-            out = engine.generate(input_ids=[1, 504, 3575, 282], stream=stream,
-                                  sampling_params={"temperature": 0, "max_new_tokens": 64})
+            out = engine.generate(
+                input_ids=[1, 504, 3575, 282], stream=stream, sampling_params={"temperature": 0, "max_new_tokens": 64}
+            )
             last = list(out)[-1] if stream else out
             assert last["meta_info"]["finish_reason"]["type"] == "stop"
             assert engine.scheduler.inflight is None

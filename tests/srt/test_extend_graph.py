@@ -1,7 +1,8 @@
-"""Whole-forward graphs for extend and mixed batches (the graph runner's `whole` kind, Triton backend): the metadata in a
-fixed layout with room to spare gives the logits the eager forward gives, futures are resolved inside, batches
+"""Whole-forward graphs for extend and mixed batches (the graph runner's `whole` kind, Triton backend): the metadata
+in a fixed layout with room to spare gives the logits the eager forward gives, futures are resolved inside, batches
 that do not fit fall back, and generation matches eager. On CPU the static path runs as plain calls with the
 kernels in Triton's interpreter; on CUDA it is captured."""
+
 import pytest
 import torch
 
@@ -21,8 +22,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _engine(path, **kw):
     from radixlm.srt.layers.ops import triton_ops
 
-    engine = radixlm.Engine(str(path), log_level="warning", max_total_tokens=4096, device=DEVICE, dtype="float32",
-                            attention_backend="triton", disable_cuda_graph=True, max_running_requests=8, **kw)
+    engine = radixlm.Engine(
+        str(path),
+        log_level="warning",
+        max_total_tokens=4096,
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="triton",
+        disable_cuda_graph=True,
+        max_running_requests=8,
+        **kw,
+    )
     engine.runner.model.set_kernel_ops(triton_ops())
     assert engine.runner.model.model.cpu_path is None
     return engine
@@ -51,21 +61,59 @@ def test_whole_extend_graph_resolves_futures_and_falls_back(tiny_dirs):
     fut = BatchSpec(**{**spec.__dict__, "input_ids": [-(base + 1), -(base + 2)] + spec.input_ids[2:]})
     assert torch.equal(x.run(fut), plain)
     # More one-token rows than the layout has room for (max_running_requests = 8): not this runner's batch.
-    many = BatchSpec(ForwardMode.EXTEND, [5] * 9, [3] * 9, [rows[0]] * 9, [4] * 9, torch.zeros(9, dtype=torch.int64),
-                     logits_indices=list(range(9)), extend_prefix_lens=[3] * 9, extend_seq_lens=[1] * 9)
+    many = BatchSpec(
+        ForwardMode.EXTEND,
+        [5] * 9,
+        [3] * 9,
+        [rows[0]] * 9,
+        [4] * 9,
+        torch.zeros(9, dtype=torch.int64),
+        logits_indices=list(range(9)),
+        extend_prefix_lens=[3] * 9,
+        extend_seq_lens=[1] * 9,
+    )
     assert not x.fits(many)
     # Likewise more multi-token requests than the layout has room for (here min(32 // 2, 32, 8) = 8).
-    prompts = BatchSpec(ForwardMode.EXTEND, [5] * 18, [0, 1] * 9, [rows[0]] * 9, [2] * 9,
-                        torch.zeros(18, dtype=torch.int64), logits_indices=list(range(1, 18, 2)),
-                        extend_prefix_lens=[0] * 9, extend_seq_lens=[2] * 9)
+    prompts = BatchSpec(
+        ForwardMode.EXTEND,
+        [5] * 18,
+        [0, 1] * 9,
+        [rows[0]] * 9,
+        [2] * 9,
+        torch.zeros(18, dtype=torch.int64),
+        logits_indices=list(range(1, 18, 2)),
+        extend_prefix_lens=[0] * 9,
+        extend_seq_lens=[2] * 9,
+    )
     assert not x.fits(prompts)
-    assert x.fits(BatchSpec(**{**prompts.__dict__, "input_ids": [5] * 16, "positions": [0, 1] * 8,
-                                  "req_pool_indices": [rows[0]] * 8, "seq_lens": [2] * 8,
-                                  "out_cache_loc": torch.zeros(16, dtype=torch.int64),
-                                  "logits_indices": list(range(1, 16, 2)), "extend_prefix_lens": [0] * 8,
-                                  "extend_seq_lens": [2] * 8}))
-    assert not x.fits(BatchSpec(ForwardMode.EXTEND, [5] * 33, list(range(33)), [rows[0]], [33],
-                                   torch.zeros(33, dtype=torch.int64), [32], [0], [33]))  # past the largest bucket
+    assert x.fits(
+        BatchSpec(
+            **{
+                **prompts.__dict__,
+                "input_ids": [5] * 16,
+                "positions": [0, 1] * 8,
+                "req_pool_indices": [rows[0]] * 8,
+                "seq_lens": [2] * 8,
+                "out_cache_loc": torch.zeros(16, dtype=torch.int64),
+                "logits_indices": list(range(1, 16, 2)),
+                "extend_prefix_lens": [0] * 8,
+                "extend_seq_lens": [2] * 8,
+            }
+        )
+    )
+    assert not x.fits(
+        BatchSpec(
+            ForwardMode.EXTEND,
+            [5] * 33,
+            list(range(33)),
+            [rows[0]],
+            [33],
+            torch.zeros(33, dtype=torch.int64),
+            [32],
+            [0],
+            [33],
+        )
+    )  # past the largest bucket
     release(r, slots, rows)
 
 

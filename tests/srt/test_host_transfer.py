@@ -1,4 +1,5 @@
 """The pinned upload ring: regions never overlap a copy that may still be pending, and uploads arrive intact."""
+
 import pytest
 import torch
 
@@ -39,8 +40,12 @@ def test_ring_gives_each_stream_its_own_chunk():
     log: list = []
     streams = iter(["a", "a", "b", "b", "a"])
     fenced = []
-    ring = PinnedRing(8 * 1024, pin=False, fence=lambda stream: fenced.append(stream) or _Fence(log),
-                      current_stream=lambda: next(streams))
+    ring = PinnedRing(
+        8 * 1024,
+        pin=False,
+        fence=lambda stream: fenced.append(stream) or _Fence(log),
+        current_stream=lambda: next(streams),
+    )
     chunks = [(ring.take(64).data_ptr() - ring.buf.data_ptr()) // ring.chunk for _ in range(5)]
     assert chunks == [0, 0, 1, 1, 2]
     assert fenced == ["a", "b"]  # each chunk's fence on the stream its copies went to
@@ -51,7 +56,7 @@ def test_ring_gives_each_stream_its_own_chunk():
 def test_uploads_arrive_intact_while_the_device_is_busy():
     dev = torch.device("cuda")
     torch.cuda._sleep(50_000_000)  # the copies queue behind this while the host refills the ring many times over
-    sources = [torch.randint(-2**40, 2**40, (n,), dtype=torch.int64) for n in range(1, 3000, 7)] * 40
+    sources = [torch.randint(-(2**40), 2**40, (n,), dtype=torch.int64) for n in range(1, 3000, 7)] * 40
     sources += [torch.rand(5, 77), torch.tensor([True, False, True]), torch.arange(10, dtype=torch.int32)[::2]]
     outs = [upload(s, dev) for s in sources]
     for s, o in zip(sources, outs):

@@ -1,4 +1,5 @@
 """Our model code against transformers' on the same weights (fp32, CPU)."""
+
 import json
 
 import pytest
@@ -12,7 +13,7 @@ PROMPT_IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 3575,
 
 def _greedy(model, ids, n):
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -22,8 +23,9 @@ def test_tiny_logits_and_greedy_match_transformers(tiny_dirs, arch):
     ref_model, ref = hf_logits(tiny_dirs[arch], PROMPT_IDS)
     assert ref.std() > 0.5  # logits must be spread out, or greedy agreement proves little
     assert (ours - ref).abs().max().item() < 1e-4
-    out = engine.generate(input_ids=PROMPT_IDS, sampling_params={"temperature": 0, "max_new_tokens": 64,
-                                                                 "ignore_eos": True})
+    out = engine.generate(
+        input_ids=PROMPT_IDS, sampling_params={"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+    )
     assert out["output_ids"] == _greedy(ref_model, PROMPT_IDS, 64)
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 64}
 
@@ -50,9 +52,18 @@ def test_forward_cut_at_the_seam_matches_whole(tiny_dirs, arch):
     slots = r.token_to_kv_pool.alloc(len(PROMPT_IDS))
     r.req_to_token_pool.write(row, 0, slots)
     n = len(PROMPT_IDS)
-    fb = ForwardBatch.build(ForwardMode.EXTEND, r.device, input_ids=PROMPT_IDS, positions=list(range(n)),
-                            req_pool_indices=[row], seq_lens=[n], out_cache_loc=slots, logits_indices=list(range(n)),
-                            extend_prefix_lens=[0], extend_seq_lens=[n])
+    fb = ForwardBatch.build(
+        ForwardMode.EXTEND,
+        r.device,
+        input_ids=PROMPT_IDS,
+        positions=list(range(n)),
+        req_pool_indices=[row],
+        seq_lens=[n],
+        out_cache_loc=slots,
+        logits_indices=list(range(n)),
+        extend_prefix_lens=[0],
+        extend_seq_lens=[n],
+    )
     fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r.req_to_token_pool, r.token_to_kv_pool, r.attn_backend
     with torch.inference_mode():
         r.attn_backend.init_forward_metadata(fb)
@@ -70,6 +81,7 @@ def test_forward_cut_at_the_seam_matches_whole(tiny_dirs, arch):
 
 def test_attention_sliced_by_query_rows_matches(tiny_dirs, monkeypatch):
     from radixlm.srt.layers.attention import torch_native
+
     engine = radixlm.Engine(str(tiny_dirs["qwen2"]), log_level="warning", max_total_tokens=2048)
     whole = forward_logits(engine, PROMPT_IDS, split=5)
     # a budget of a few rows' scores forces many SDPA slices per layer
@@ -78,8 +90,10 @@ def test_attention_sliced_by_query_rows_matches(tiny_dirs, monkeypatch):
     assert (sliced - whole).abs().max().item() < 1e-5
     out = engine.generate(input_ids=PROMPT_IDS, sampling_params={"temperature": 0, "max_new_tokens": 8})
     monkeypatch.undo()
-    assert out["output_ids"] == engine.generate(input_ids=PROMPT_IDS,
-                                                sampling_params={"temperature": 0, "max_new_tokens": 8})["output_ids"]
+    assert (
+        out["output_ids"]
+        == engine.generate(input_ids=PROMPT_IDS, sampling_params={"temperature": 0, "max_new_tokens": 8})["output_ids"]
+    )
 
 
 def test_untied_sharded_bf16_checkpoint(tmp_path):
@@ -97,8 +111,13 @@ def test_untied_sharded_bf16_checkpoint(tmp_path):
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     d = make_tiny_checkpoint(tmp_path / "m", "llama", rope_scaling=scaling)
     assert json.loads((d / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
     engine = radixlm.Engine(str(d), log_level="warning", max_total_tokens=1024)
@@ -108,16 +127,19 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers_gguf_loader(smol_engine):
+def test_smollm2_matches_transformers_gguf_loader(fp32_engine):
+    smol_engine = fp32_engine
     from radixlm.srt.model_loader.default_model import default_model_path
 
     path = default_model_path()
-    ids = smol_engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                                    add_generation_prompt=True, tokenize=True)
+    ids = smol_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     ref_model, ref = hf_logits(str(path.parent), ids, gguf_file=path.name)
     ours = forward_logits(smol_engine, ids)
     assert (ours - ref).abs().max().item() < 1e-3
-    out = smol_engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 64,
-                                                               "ignore_eos": True})
+    out = smol_engine.generate(
+        input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+    )
     assert out["output_ids"] == _greedy(ref_model, ids, 64)

@@ -6,6 +6,7 @@ The client bodies below were captured from the clients themselves (langchain-ope
 0.8.3, openai 2.54, each pointed at a server that records what it receives): chat, streaming, tools with a
 follow-up turn, and structured output, sent here as raw JSON so the clients need not be installed. The field
 lists themselves live in srt/entrypoints/openai/protocol.py."""
+
 import concurrent.futures as cf
 import copy
 import json
@@ -41,23 +42,27 @@ def test_every_openai_completions_field_is_classified():
 
 
 def test_every_openai_message_and_part_key_is_known():
-    from openai.types.chat import (chat_completion_assistant_message_param as assistant,
-                                   chat_completion_content_part_refusal_param as refusal,
-                                   chat_completion_content_part_text_param as text,
-                                   chat_completion_developer_message_param as developer,
-                                   chat_completion_function_tool_param as function_tool,
-                                   chat_completion_message_function_tool_call_param as call,
-                                   chat_completion_stream_options_param as stream_options,
-                                   chat_completion_system_message_param as system,
-                                   chat_completion_tool_message_param as tool,
-                                   chat_completion_user_message_param as user)
+    from openai.types.chat import chat_completion_assistant_message_param as assistant
+    from openai.types.chat import chat_completion_content_part_refusal_param as refusal
+    from openai.types.chat import chat_completion_content_part_text_param as text
+    from openai.types.chat import chat_completion_developer_message_param as developer
+    from openai.types.chat import chat_completion_function_tool_param as function_tool
+    from openai.types.chat import chat_completion_message_function_tool_call_param as call
+    from openai.types.chat import chat_completion_stream_options_param as stream_options
+    from openai.types.chat import chat_completion_system_message_param as system
+    from openai.types.chat import chat_completion_tool_message_param as tool
+    from openai.types.chat import chat_completion_user_message_param as user
     from openai.types.shared_params import function_definition, response_format_json_schema
 
     keys = lambda t: set(t.__annotations__)  # noqa: E731
     message_keys = set(protocol.ChatMessage.model_fields)
-    for t in (system.ChatCompletionSystemMessageParam, developer.ChatCompletionDeveloperMessageParam,
-              user.ChatCompletionUserMessageParam, assistant.ChatCompletionAssistantMessageParam,
-              tool.ChatCompletionToolMessageParam):
+    for t in (
+        system.ChatCompletionSystemMessageParam,
+        developer.ChatCompletionDeveloperMessageParam,
+        user.ChatCompletionUserMessageParam,
+        assistant.ChatCompletionAssistantMessageParam,
+        tool.ChatCompletionToolMessageParam,
+    ):
         assert keys(t) <= message_keys, t
     assert keys(text.ChatCompletionContentPartTextParam) <= protocol._PART_KEYS["text"]
     assert keys(refusal.ChatCompletionContentPartRefusalParam) <= protocol._PART_KEYS["refusal"]
@@ -109,61 +114,150 @@ def stream_events(url: str, path: str, body: dict) -> list[dict]:
 # Strings and numbers bounded, so that a forced call or a schema answer always fits its tokens (this small model
 # will otherwise write digits until it runs out).
 CITY = {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"}
-WEATHER_LC = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the weather in a city.",
-    "parameters": {"properties": {"city": CITY}, "required": ["city"], "type": "object"}}}
-WEATHER_LI = {"type": "function", "function": {
-    "name": "get_weather", "description": "get_weather(city: str) -> str\nGet the weather in a city.",
-    "parameters": {"properties": {"city": {"title": "City", **CITY}}, "required": ["city"], "type": "object",
-                   "additionalProperties": False}, "strict": False}}
-CITY_SCHEMA = {"description": "A city.", "properties": {"city": {"description": "name", "title": "City", **CITY},
-                                                        "population": {"title": "Population", "type": "integer",
-                                                                       "minimum": 0, "maximum": 10**8}},
-               "required": ["city", "population"], "title": "City", "type": "object", "additionalProperties": False}
+WEATHER_LC = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather in a city.",
+        "parameters": {"properties": {"city": CITY}, "required": ["city"], "type": "object"},
+    },
+}
+WEATHER_LI = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "get_weather(city: str) -> str\nGet the weather in a city.",
+        "parameters": {
+            "properties": {"city": {"title": "City", **CITY}},
+            "required": ["city"],
+            "type": "object",
+            "additionalProperties": False,
+        },
+        "strict": False,
+    },
+}
+CITY_SCHEMA = {
+    "description": "A city.",
+    "properties": {
+        "city": {"description": "name", "title": "City", **CITY},
+        "population": {"title": "Population", "type": "integer", "minimum": 0, "maximum": 10**8},
+    },
+    "required": ["city", "population"],
+    "title": "City",
+    "type": "object",
+    "additionalProperties": False,
+}
 JSON_SCHEMA_RF = {"type": "json_schema", "json_schema": {"schema": CITY_SCHEMA, "name": "City", "strict": True}}
-TOOL_HISTORY = [{"content": "Weather in Paris?", "role": "user"},
-                {"content": None, "role": "assistant", "tool_calls": [
-                    {"type": "function", "id": "call_1",
-                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-                {"content": "sunny", "role": "tool", "tool_call_id": "call_1"}]
+TOOL_HISTORY = [
+    {"content": "Weather in Paris?", "role": "user"},
+    {
+        "content": None,
+        "role": "assistant",
+        "tool_calls": [
+            {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"content": "sunny", "role": "tool", "tool_call_id": "call_1"},
+]
 
 CLIENT_BODIES = {
-    "langchain invoke": {"messages": [{"content": "Be brief.", "role": "system"},
-                                      {"content": "Capital of France?", "role": "user"}],
-                         "max_completion_tokens": 8, "stream": False, "temperature": 0.0},
-    "langchain options": {"messages": [{"content": "hi", "role": "user"}], "frequency_penalty": 0.1, "logprobs": True,
-                          "max_completion_tokens": 4, "n": 1, "presence_penalty": 0.1, "seed": 1, "stop": ["\n"],
-                          "stream": False, "top_logprobs": 2, "top_p": 0.9},
-    "langchain tool turn": {"messages": TOOL_HISTORY, "max_completion_tokens": 8, "stream": False,
-                            "temperature": 0.0, "tools": [WEATHER_LC]},
-    "langchain forced tool": {"messages": [{"content": "Weather in Paris?", "role": "user"}],
-                              "max_completion_tokens": 200, "parallel_tool_calls": False, "stream": False,
-                              "temperature": 0.0, "tool_choice": "required", "tools": [WEATHER_LC]},
+    "langchain invoke": {
+        "messages": [{"content": "Be brief.", "role": "system"}, {"content": "Capital of France?", "role": "user"}],
+        "max_completion_tokens": 8,
+        "stream": False,
+        "temperature": 0.0,
+    },
+    "langchain options": {
+        "messages": [{"content": "hi", "role": "user"}],
+        "frequency_penalty": 0.1,
+        "logprobs": True,
+        "max_completion_tokens": 4,
+        "n": 1,
+        "presence_penalty": 0.1,
+        "seed": 1,
+        "stop": ["\n"],
+        "stream": False,
+        "top_logprobs": 2,
+        "top_p": 0.9,
+    },
+    "langchain tool turn": {
+        "messages": TOOL_HISTORY,
+        "max_completion_tokens": 8,
+        "stream": False,
+        "temperature": 0.0,
+        "tools": [WEATHER_LC],
+    },
+    "langchain forced tool": {
+        "messages": [{"content": "Weather in Paris?", "role": "user"}],
+        "max_completion_tokens": 200,
+        "parallel_tool_calls": False,
+        "stream": False,
+        "temperature": 0.0,
+        "tool_choice": "required",
+        "tools": [WEATHER_LC],
+    },
     "langchain structured (function_calling)": {
-        "messages": [{"content": "Paris", "role": "user"}], "max_completion_tokens": 200,
-        "parallel_tool_calls": False, "stream": False, "temperature": 0.0,
+        "messages": [{"content": "Paris", "role": "user"}],
+        "max_completion_tokens": 200,
+        "parallel_tool_calls": False,
+        "stream": False,
+        "temperature": 0.0,
         "tool_choice": {"type": "function", "function": {"name": "City"}},
-        "tools": [{"type": "function", "function": {"name": "City", "description": "A city.",
-                                                    "parameters": CITY_SCHEMA}}]},
-    "langchain structured (json_schema)": {"messages": [{"content": "Paris", "role": "user"}],
-                                           "max_completion_tokens": 200, "response_format": JSON_SCHEMA_RF,
-                                           "stream": False, "temperature": 0.0},
-    "langchain structured (json_mode)": {"messages": [{"content": "Paris as JSON", "role": "user"}],
-                                         "max_completion_tokens": 8, "response_format": {"type": "json_object"},
-                                         "stream": False, "temperature": 0.0},
-    "llamaindex chat with tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 8,
-                                   "parallel_tool_calls": False, "stream": False, "temperature": 0.0,
-                                   "tool_choice": "auto", "tools": [WEATHER_LI]},
-    "llamaindex tool turn": {"messages": TOOL_HISTORY, "max_tokens": 8,
-                             "parallel_tool_calls": False, "stream": False, "temperature": 0.0,
-                             "tool_choice": "auto", "tools": [{**WEATHER_LI, "function": {**WEATHER_LI["function"],
-                                                                                          "strict": True}}]},
-    "llamaindex logprobs": {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": False,
-                            "temperature": 0.1, "top_logprobs": 2, "max_tokens": 4},
-    "openai parse (tool)": {"messages": [{"role": "user", "content": "Paris"}], "stream": False, "max_tokens": 8,
-                            "tools": [{"type": "function", "function": {"name": "City", "strict": True,
-                                                                        "parameters": CITY_SCHEMA,
-                                                                        "description": "A city."}}]},
+        "tools": [
+            {"type": "function", "function": {"name": "City", "description": "A city.", "parameters": CITY_SCHEMA}}
+        ],
+    },
+    "langchain structured (json_schema)": {
+        "messages": [{"content": "Paris", "role": "user"}],
+        "max_completion_tokens": 200,
+        "response_format": JSON_SCHEMA_RF,
+        "stream": False,
+        "temperature": 0.0,
+    },
+    "langchain structured (json_mode)": {
+        "messages": [{"content": "Paris as JSON", "role": "user"}],
+        "max_completion_tokens": 8,
+        "response_format": {"type": "json_object"},
+        "stream": False,
+        "temperature": 0.0,
+    },
+    "llamaindex chat with tools": {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "max_tokens": 8,
+        "parallel_tool_calls": False,
+        "stream": False,
+        "temperature": 0.0,
+        "tool_choice": "auto",
+        "tools": [WEATHER_LI],
+    },
+    "llamaindex tool turn": {
+        "messages": TOOL_HISTORY,
+        "max_tokens": 8,
+        "parallel_tool_calls": False,
+        "stream": False,
+        "temperature": 0.0,
+        "tool_choice": "auto",
+        "tools": [{**WEATHER_LI, "function": {**WEATHER_LI["function"], "strict": True}}],
+    },
+    "llamaindex logprobs": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "stream": False,
+        "temperature": 0.1,
+        "top_logprobs": 2,
+        "max_tokens": 4,
+    },
+    "openai parse (tool)": {
+        "messages": [{"role": "user", "content": "Paris"}],
+        "stream": False,
+        "max_tokens": 8,
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "City", "strict": True, "parameters": CITY_SCHEMA, "description": "A city."},
+            }
+        ],
+    },
 }
 
 
@@ -188,14 +282,30 @@ def test_client_bodies_answer(url, name):
 def test_client_streams(url):
     """LangChain's stream (stream_usage on), the openai client's, and LlamaIndex's (no stream_options)."""
     for extra in ({"stream_options": {"include_usage": True}}, {}):
-        body = {"model": MODEL, "messages": ASK, "max_completion_tokens": 6, "stream": True, "temperature": 0.0,
-                **extra}
+        body = {
+            "model": MODEL,
+            "messages": ASK,
+            "max_completion_tokens": 6,
+            "stream": True,
+            "temperature": 0.0,
+            **extra,
+        }
         events = stream_events(url, "/v1/chat/completions", body)
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
         assert ("usage" in events[-1]) == bool(extra)
     # LangChain's completion model: prompt as a list, nulls and neutral values for what it does not set
-    body = {"model": MODEL, "prompt": ["The capital of France is"], "frequency_penalty": 0, "logprobs": None,
-            "max_tokens": 4, "n": 1, "presence_penalty": 0, "seed": None, "temperature": 0.0, "top_p": 1}
+    body = {
+        "model": MODEL,
+        "prompt": ["The capital of France is"],
+        "frequency_penalty": 0,
+        "logprobs": None,
+        "max_tokens": 4,
+        "n": 1,
+        "presence_penalty": 0,
+        "seed": None,
+        "temperature": 0.0,
+        "top_p": 1,
+    }
     r = post(url, "/v1/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     events = stream_events(url, "/v1/completions", {**body, "prompt": body["prompt"][0], "stream": True})
@@ -206,18 +316,31 @@ def test_ignorable_fields_do_not_change_the_answer(client):
     """OpenAI's bookkeeping, billing and cache-hint fields are accepted and the greedy answer is the same."""
     kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=12)
     base = client.chat.completions.create(**kw).choices[0].message.content
-    ignored = dict(user="u-1", metadata={"run": "7"}, store=True, service_tier="flex", safety_identifier="h",
-                   prompt_cache_key="k", prompt_cache_retention="24h", modalities=["text"], reasoning_effort="none",
-                   n=None, logprobs=None)
-    got = client.chat.completions.create(**kw, **ignored,
-                                         extra_body={"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}})
+    ignored = dict(
+        user="u-1",
+        metadata={"run": "7"},
+        store=True,
+        service_tier="flex",
+        safety_identifier="h",
+        prompt_cache_key="k",
+        prompt_cache_retention="24h",
+        modalities=["text"],
+        reasoning_effort="none",
+        n=None,
+        logprobs=None,
+    )
+    got = client.chat.completions.create(
+        **kw, **ignored, extra_body={"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}
+    )
     assert got.choices[0].message.content == base
-    streamed = client.chat.completions.create(**kw, stream=True,
-                                              stream_options={"include_usage": True, "include_obfuscation": False})
+    streamed = client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True, "include_obfuscation": False}
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == base
     text = client.completions.create(model=MODEL, prompt="Hello, my name is", temperature=0, max_tokens=6)
-    again = client.completions.create(model=MODEL, prompt="Hello, my name is", temperature=0, max_tokens=6,
-                                      user="u-1", echo=None)
+    again = client.completions.create(
+        model=MODEL, prompt="Hello, my name is", temperature=0, max_tokens=6, user="u-1", echo=None
+    )
     assert again.choices[0].text == text.choices[0].text
 
 
@@ -227,8 +350,11 @@ def test_history_fields_are_rendered(url):
     said = "I cannot help with that."
 
     def prompt_tokens(assistant: dict, **user) -> int:
-        msgs = [{"role": "user", "content": "Tell me a secret.", **user}, {"role": "assistant", **assistant},
-                {"role": "user", "content": "Why not?"}]
+        msgs = [
+            {"role": "user", "content": "Tell me a secret.", **user},
+            {"role": "assistant", **assistant},
+            {"role": "user", "content": "Why not?"},
+        ]
         r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1})
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens"]
@@ -237,8 +363,12 @@ def test_history_fields_are_rendered(url):
     assert prompt_tokens({"content": None, "refusal": said}) == plain
     assert prompt_tokens({"content": [{"type": "refusal", "refusal": said}]}) == plain
     assert prompt_tokens({"content": ""}) < plain
-    assert prompt_tokens({"content": [{"type": "text", "text": said,
-                                       "prompt_cache_breakpoint": {"mode": "explicit"}}]}, name="ann") == plain
+    assert (
+        prompt_tokens(
+            {"content": [{"type": "text", "text": said, "prompt_cache_breakpoint": {"mode": "explicit"}}]}, name="ann"
+        )
+        == plain
+    )
 
 
 # (route, body, the field the 400 must name)
@@ -248,26 +378,62 @@ UNKNOWN = [
     ("/v1/chat/completions", {**OK, "guided_jsn": {"type": "object"}}, "guided_jsn"),  # a misspelt constraint
     ("/v1/chat/completions", {**OK, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**OK, "stream": True, "regx": "a+"}, "regx"),
-    ("/v1/chat/completions", {**OK, "messages": [{"role": "user", "content": "hi", "reasoning_content": ""}]},
-     "messages[0].reasoning_content"),
-    ("/v1/chat/completions", {**OK, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]},
-     "messages[0].content[0].cache_control"),
-    ("/v1/chat/completions", {**OK, "messages": TOOL_HISTORY[:1] + [
-        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "index": 0,
-                                              "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages[1].tool_calls[0].index"),
-    ("/v1/chat/completions", {**OK, "tools": [{"type": "function", "function": {**WEATHER_LC["function"],
-                                                                                 "parallel": True}}]},
-     "tools[0].function.parallel"),
-    ("/v1/chat/completions", {**OK, "tools": [WEATHER_LC], "tool_choice": {"type": "function", "name": "get_weather"}},
-     "tool_choice.name"),
-    ("/v1/chat/completions", {**OK, "response_format": {"type": "json_schema", "schema": CITY_SCHEMA}},
-     "response_format.schema"),
-    ("/v1/chat/completions", {**OK, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "json_schema": CITY_SCHEMA}}}, "response_format.json_schema.json_schema"),
-    ("/v1/chat/completions", {**OK, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    (
+        "/v1/chat/completions",
+        {**OK, "messages": [{"role": "user", "content": "hi", "reasoning_content": ""}]},
+        "messages[0].reasoning_content",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            **OK,
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}
+            ],
+        },
+        "messages[0].content[0].cache_control",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            **OK,
+            "messages": TOOL_HISTORY[:1]
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "index": 0, "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                }
+            ],
+        },
+        "messages[1].tool_calls[0].index",
+    ),
+    (
+        "/v1/chat/completions",
+        {**OK, "tools": [{"type": "function", "function": {**WEATHER_LC["function"], "parallel": True}}]},
+        "tools[0].function.parallel",
+    ),
+    (
+        "/v1/chat/completions",
+        {**OK, "tools": [WEATHER_LC], "tool_choice": {"type": "function", "name": "get_weather"}},
+        "tool_choice.name",
+    ),
+    (
+        "/v1/chat/completions",
+        {**OK, "response_format": {"type": "json_schema", "schema": CITY_SCHEMA}},
+        "response_format.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {**OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "json_schema": CITY_SCHEMA}}},
+        "response_format.json_schema.json_schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {**OK, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": ASK}, "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "guided_regexp": "a"}, "guided_regexp"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "image_data": "x.png"}, "image_data"),
@@ -285,13 +451,30 @@ REFUSED = [
     ("/v1/chat/completions", {**OK, "verbosity": "low"}, "verbosity"),
     ("/v1/chat/completions", {**OK, "moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     ("/v1/chat/completions", {**OK, "stream": True, "prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ("/v1/chat/completions", {**OK, "messages": ASK + [{"role": "assistant", "audio": {"id": "audio_1"}}]},
-     "messages[1].audio"),
-    ("/v1/chat/completions", {**OK, "messages": ASK + [
-        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
-     "messages[1].function_call"),
-    ("/v1/chat/completions", {**OK, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, "messages[0].content[0]"),
+    (
+        "/v1/chat/completions",
+        {**OK, "messages": ASK + [{"role": "assistant", "audio": {"id": "audio_1"}}]},
+        "messages[1].audio",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            **OK,
+            "messages": ASK
+            + [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+        },
+        "messages[1].function_call",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            **OK,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
+            ],
+        },
+        "messages[0].content[0]",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "suffix": "!"}, "suffix"),
 ]
 
@@ -311,11 +494,14 @@ def test_unimplemented_openai_fields_are_refused(url, path, body, param):
 
 def test_misplaced_fields_are_refused(url):
     """Fields OpenAI has, sent where it does not read them, are not dropped either."""
-    cases = [({**OK, "messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]},
-              "messages[0].tool_call_id"),
-             ({**OK, "messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "messages[0].refusal"),
-             ({**OK, "response_format": {"type": "json_object", "json_schema": {"schema": CITY_SCHEMA}}},
-              "response_format.json_schema")]
+    cases = [
+        ({**OK, "messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}, "messages[0].tool_call_id"),
+        ({**OK, "messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "messages[0].refusal"),
+        (
+            {**OK, "response_format": {"type": "json_object", "json_schema": {"schema": CITY_SCHEMA}}},
+            "response_format.json_schema",
+        ),
+    ]
     for body, param in cases:
         assert error_of(post(url, "/v1/chat/completions", body), "invalid_value")["param"] == param
 
@@ -336,8 +522,13 @@ def test_bad_requests_leave_others_untouched(url):
 
 def test_generate_return_text_in_logprobs(url):
     """SGLang's return_text_in_logprobs on /generate: every (logprob, id) entry carries the token's text."""
-    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 5, "temperature": 0},
-            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    body = {
+        "text": "The capital of France is",
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+    }
     plain = post(url, "/generate", body).json()
     r = post(url, "/generate", {**body, "return_text_in_logprobs": True})
     assert r.status_code == 200, r.text

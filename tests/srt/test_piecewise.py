@@ -1,5 +1,6 @@
 """Piecewise forward (everything between attention calls as one piece, attention eager): the same logits and
 greedy outputs as the plain forward. On CPU the pieces run as calls; on CUDA they are captured graphs."""
+
 import pytest
 import torch
 
@@ -12,8 +13,16 @@ pytestmark = pytest.mark.gpu  # also in the GPU suite: on CUDA the pieces are ca
 
 
 def _engine(path, **kw):
-    engine = radixlm.Engine(str(path), log_level="warning", max_total_tokens=4096, device=DEVICE, dtype="float32",
-                            attention_backend="torch_native", disable_cuda_graph=True, **kw)
+    engine = radixlm.Engine(
+        str(path),
+        log_level="warning",
+        max_total_tokens=4096,
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        **kw,
+    )
     # The pieces are cut from the module path, so eager runs that path too (on CPU the runner would take the
     # flat layer loop, the same math in another op order: its K/V differ in the last bits).
     engine.runner.model.model.cpu_path = None
@@ -34,8 +43,9 @@ def test_plans_cut_the_forward_at_the_seam():
     for kind in ("decode", "whole", "piecewise"):
         segs = plan(kind, 3)
         ops = [op for s in segs for op in s.ops]
-        assert ops == [("embed", 0)] + [(st, i) for i in range(3) for st in ("pre", "attn", "post")] + \
-            [("norm", 0)] + ([("logits", 0)] if kind == "decode" else [])
+        assert ops == [("embed", 0)] + [(st, i) for i in range(3) for st in ("pre", "attn", "post")] + [("norm", 0)] + (
+            [("logits", 0)] if kind == "decode" else []
+        )
     assert [len(s.ops) for s in plan("decode", 3)] == [4, 8] and plan("decode", 1)[0].ops[-1] == ("logits", 0)
     pw = plan("piecewise", 3)
     assert [s.graphed for s in pw] == [True, False] * 3 + [True]

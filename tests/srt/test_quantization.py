@@ -1,5 +1,6 @@
 """--quantization gguf: the embedded SmolLM2's Q4_1 linears kept 4-bit (our Q4 kernel, else torch's int4 CPU
 matmul) against the dequantized fp32 path; --quantization auto (the default) picks gguf where our kernel runs."""
+
 import dataclasses
 
 import numpy as np
@@ -8,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import radixlm
-from radixlm.srt.errors import ModelLoadError
 from radixlm.kernels import cpu as cpu_kernels
+from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.quantization.gguf_int4 import GROUP, Int4Linear, Q4Blocks, Q4DotLinear, scales_and_zeros
 from radixlm.srt.model_loader.default_model import default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
@@ -56,8 +57,9 @@ def test_q4_1_packing_reproduces_gguf_dequantize():
         # the op itself, fp32 input and fp32 (scale, zero): x = I gives W.T back
         n, k = ref.shape
         packed = Int4Linear.from_blocks(blocks).packed
-        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k), packed, GROUP,
-                                                         scales_and_zeros(blocks, torch.float32))
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.eye(k), packed, GROUP, scales_and_zeros(blocks, torch.float32)
+        )
         assert (w_t.t() - ref).abs().max().item() <= 1e-6 * ref.abs().max().item(), name
         seen += 1
     assert seen == 7  # q k v o gate up down
@@ -101,8 +103,11 @@ def test_logits_close_to_fp32_within_bf16_error(fp32_engine, q_engine):
         return F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).to(x.dtype)
 
     model = fp32_engine.runner.model
-    model.set_kernel_ops(dataclasses.replace(ops, linear=bf16_linear,
-                                             gate_up_silu=lambda x, w, b: ops.silu_and_mul(bf16_linear(x, w, b))))
+    model.set_kernel_ops(
+        dataclasses.replace(
+            ops, linear=bf16_linear, gate_up_silu=lambda x, w, b: ops.silu_and_mul(bf16_linear(x, w, b))
+        )
+    )
     cpu_path, model.model.cpu_path = model.model.cpu_path, None  # the module path is the one that runs `ops`
     try:
         bf16 = [_rel(r, forward_logits(fp32_engine, i)) for r, i in zip(ref, ids)]
@@ -126,10 +131,12 @@ def test_greedy_answers_unchanged(fp32_engine, q_engine):
     compared further. Every case but that one has to match outright."""
     france = fp32_engine.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
     paris = "The capital of France is"
-    cases = [({"input_ids": france}, {"max_new_tokens": 64, "ignore_eos": True}),
-             ({"prompt": paris}, {"max_new_tokens": 5, "ignore_eos": True}),
-             ({"input_ids": france}, {"max_new_tokens": 24}),
-             ({"input_ids": PROMPT_IDS}, {"max_new_tokens": 64, "ignore_eos": True})]
+    cases = [
+        ({"input_ids": france}, {"max_new_tokens": 64, "ignore_eos": True}),
+        ({"prompt": paris}, {"max_new_tokens": 5, "ignore_eos": True}),
+        ({"input_ids": france}, {"max_new_tokens": 24}),
+        ({"input_ids": PROMPT_IDS}, {"max_new_tokens": 64, "ignore_eos": True}),
+    ]
     ties = 0
     for inputs, params in cases:
         params = {"temperature": 0, **params}
@@ -144,8 +151,12 @@ def test_greedy_answers_unchanged(fp32_engine, q_engine):
         assert got[i] == top.indices[1].item() and gap < NEAR_TIE, (inputs, i, want[i], got[i], gap)
         ties += 1
     assert ties <= 1, "more than one near-tie among four prompts: the packed path's error has grown"
-    assert "Paris" in q_engine.chat([{"role": "user", "content": "What is the capital of France?"}],
-                                    {"temperature": 0, "max_new_tokens": 24})["text"]
+    assert (
+        "Paris"
+        in q_engine.chat(
+            [{"role": "user", "content": "What is the capital of France?"}], {"temperature": 0, "max_new_tokens": 24}
+        )["text"]
+    )
 
 
 def test_gguf_quantization_needs_a_gguf_checkpoint_on_cpu(tmp_path):
@@ -160,13 +171,13 @@ def test_gguf_quantization_needs_a_gguf_checkpoint_on_cpu(tmp_path):
 
 
 def test_auto_keeps_q4_blocks_where_our_kernel_runs_them(tmp_path, smol_engine):
-    """auto is gguf exactly for a Q4 GGUF on a CPU our AVX-512 BF16 Q4 kernel runs on (the AVX2 one runs with
-    an explicit gguf); none for the rest (an HF checkpoint, dummy weights, another device). The session's
-    default engine is what auto chose here."""
+    """auto is gguf exactly for a Q4 GGUF on a CPU one of our Q4 kernels runs on (AVX-512 BF16 or AVX2); none for
+    the rest (an HF checkpoint, dummy weights, another device). The session's default engine is what auto chose
+    here."""
     ckpt = GGUFCheckpoint(default_model_path())
     assert ckpt.has_q4_weights()
     cpu = torch.device("cpu")
-    expected = "gguf" if cpu_kernels.q4_isa() == "AVX-512 BF16" else "none"
+    expected = "gguf" if cpu_kernels.q4_available() else "none"
     assert resolve_quantization("auto", ckpt, cpu, "auto") == expected
     assert smol_engine.server_args.quantization == "auto"
     assert smol_engine.loaded.quantization == expected
@@ -189,7 +200,8 @@ def test_gguf_header_cache_reads_what_the_parser_does(tmp_path, monkeypatch):
     assert cached.config == parsed.config and cached.fields == parsed.fields
     assert cached.fields["tokenizer.ggml.tokens.__len__"] == 49152
     assert "tokenizer.ggml.tokens" not in cached.fields  # the vocabulary is not kept, only its length
-    assert [(t.name, t.tensor_type, t.shape) for t in cached.tensors] == \
-        [(t.name, t.tensor_type, t.shape) for t in parsed.tensors]
+    assert [(t.name, t.tensor_type, t.shape) for t in cached.tensors] == [
+        (t.name, t.tensor_type, t.shape) for t in parsed.tensors
+    ]
     for a, b in zip(cached.tensors, parsed.tensors):
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)

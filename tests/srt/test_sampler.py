@@ -1,4 +1,5 @@
 """The batched sampler on hand-made logits: distributions, filters, seeds."""
+
 import torch
 
 from radixlm.srt.layers.sampler import Sampler, SamplingBatchInfo, top_k_top_p
@@ -9,11 +10,17 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
 def _info(b, temperature=1.0, top_p=1.0, top_k=V, min_p=0.0, seed0=0, step=0, greedy=False):
     return SamplingBatchInfo(
-        temperatures=torch.full((b, 1), temperature), top_ps=torch.full((b,), top_p),
-        top_ks=torch.full((b,), top_k, dtype=torch.int64), min_ps=torch.full((b,), min_p),
+        temperatures=torch.full((b, 1), temperature),
+        top_ps=torch.full((b,), top_p),
+        top_ks=torch.full((b,), top_k, dtype=torch.int64),
+        min_ps=torch.full((b,), min_p),
         seeds=torch.arange(seed0, seed0 + b, dtype=torch.int64) * 7919 + 17,
-        steps=torch.full((b,), step, dtype=torch.int64), greedy=torch.full((b,), greedy),
-        all_greedy=greedy, need_top_k_p=top_p < 1 or top_k < V, need_min_p=min_p > 0)
+        steps=torch.full((b,), step, dtype=torch.int64),
+        greedy=torch.full((b,), greedy),
+        all_greedy=greedy,
+        need_top_k_p=top_p < 1 or top_k < V,
+        need_min_p=min_p > 0,
+    )
 
 
 def _freqs(ids):

@@ -1,5 +1,5 @@
 """The scheduler under pressure: sharing, chunking, eviction, retraction, aborts; nothing may leak."""
-import os
+
 import random
 
 import pytest
@@ -18,12 +18,14 @@ def tiny_dir(tmp_path_factory):
 
 # The scheduling loops every test below runs under: plain, overlapped (the GPU default; forced here on CPU),
 # and overlapped with mixed chunked prefill.
-MODES = {"plain": {}, "overlap": {"force_overlap_schedule": True},
-         "overlap-mixed": {"force_overlap_schedule": True, "enable_mixed_chunk": True}}
+MODES = {
+    "plain": {},
+    "overlap": {"force_overlap_schedule": True},
+    "overlap-mixed": {"force_overlap_schedule": True, "enable_mixed_chunk": True},
+}
 
 
 def _engine(path, mode="plain", **kw):
-    kw.setdefault("dtype", os.environ.get("RADIXLM_TEST_DTYPE", "auto"))
     return radixlm.Engine(str(path), log_level="warning", **MODES[mode], **kw)
 
 
@@ -64,8 +66,17 @@ def test_chunked_prefill_matches_unchunked(tiny_dir, mode):
     assert_engine_idle(chunked)
 
 
-@pytest.mark.parametrize("policy,mode", [("lpm", "plain"), ("dfs-weight", "plain"), ("fcfs", "plain"),
-                                         ("lof", "plain"), ("random", "plain"), ("lpm", "overlap-mixed")])
+@pytest.mark.parametrize(
+    "policy,mode",
+    [
+        ("lpm", "plain"),
+        ("dfs-weight", "plain"),
+        ("fcfs", "plain"),
+        ("lof", "plain"),
+        ("random", "plain"),
+        ("lpm", "overlap-mixed"),
+    ],
+)
 def test_policies_give_same_greedy_outputs(tiny_dir, policy, mode):
     rng = random.Random(2)
     prefixes = [[rng.randrange(3, 512) for _ in range(40)] for _ in range(3)]
@@ -85,16 +96,26 @@ def test_seeded_sampling_and_min_tokens_agree_in_every_mode(tiny_dir):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 30))] for _ in range(12)]
     stops = list(range(3, 300))  # most of the vocabulary stops a request: the ban decides the lengths
-    params = [{"temperature": 0.9, "top_p": 0.95, "seed": 100 + i, "max_new_tokens": 12, "min_new_tokens": 2 + i % 5,
-               "stop_token_ids": stops} for i in range(len(prompts))]
+    params = [
+        {
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 100 + i,
+            "max_new_tokens": 12,
+            "min_new_tokens": 2 + i % 5,
+            "stop_token_ids": stops,
+        }
+        for i in range(len(prompts))
+    ]
     penalized = [{**p, "presence_penalty": 0.5, "repetition_penalty": 1.2} for p in params[:4]]
     results = {}
     for mode in MODES:
         engine = _engine(tiny_dir, mode, max_total_tokens=4096)
         results[mode] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         early = engine.scheduler.last_step.sampled_early
-        results[mode, "penalized"] = [o["output_ids"] for o in
-                                      engine.generate(input_ids=prompts[:4], sampling_params=penalized)]
+        results[mode, "penalized"] = [
+            o["output_ids"] for o in engine.generate(input_ids=prompts[:4], sampling_params=penalized)
+        ]
         penalized_early = engine.scheduler.last_step.sampled_early
         # With overlap, sampling goes out with the forward unless penalties read the previous step's tokens.
         assert (early, penalized_early) == ((False, False) if mode == "plain" else (True, False))
@@ -113,8 +134,10 @@ def test_abort_while_waiting_mid_chunk_and_decoding(tiny_dir, mode):
     engine = _engine(tiny_dir, mode, chunked_prefill_size=32, max_total_tokens=4096, max_running_requests=2)
     rng = random.Random(3)
     ids = [[rng.randrange(3, 512) for _ in range(n)] for n in (100, 20, 20, 20)]
-    rids = [engine.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 50, "ignore_eos": True})[0]
-            for p in ids]
+    rids = [
+        engine.add_request(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 50, "ignore_eos": True})[0]
+        for p in ids
+    ]
     done = {}
 
     def step():
@@ -147,15 +170,22 @@ def test_500_requests_with_sharing_aborts_eviction_and_retraction(tiny_dir, mode
     plan = [(rng.choice(catalog), rng.randrange(1, 25)) for _ in range(500)]
 
     # An optimistic decode reserve (low conservativeness) admits more than fits: decode must retract.
-    engine = _engine(tiny_dir, mode, max_total_tokens=700, max_running_requests=24, chunked_prefill_size=48,
-                     schedule_conservativeness=0.05)
+    engine = _engine(
+        tiny_dir,
+        mode,
+        max_total_tokens=700,
+        max_running_requests=24,
+        chunked_prefill_size=48,
+        schedule_conservativeness=0.05,
+    )
     submitted, results, aborted_by_us, prompt_of = 0, {}, set(), {}
     while submitted < len(plan) or engine.has_unfinished_requests():
         for _ in range(rng.randrange(0, 7)):
             if submitted < len(plan):
                 prompt, max_new = plan[submitted]
-                rid = engine.add_request(input_ids=list(prompt), sampling_params={**GREEDY, "max_new_tokens": max_new},
-                                         rid=f"r{submitted}")[0]
+                rid = engine.add_request(
+                    input_ids=list(prompt), sampling_params={**GREEDY, "max_new_tokens": max_new}, rid=f"r{submitted}"
+                )[0]
                 prompt_of[rid] = (prompt, max_new)
                 submitted += 1
         for u in engine.step():
@@ -186,8 +216,9 @@ def test_500_requests_with_sharing_aborts_eviction_and_retraction(tiny_dir, mode
             continue
         prompt, max_new = prompt_of[rid]
         if prompt not in alone:  # greedy with a larger budget is a prefix-extension of any smaller one
-            alone[prompt] = reference.generate(input_ids=list(prompt),
-                                               sampling_params={**GREEDY, "max_new_tokens": 24})["output_ids"]
+            alone[prompt] = reference.generate(
+                input_ids=list(prompt), sampling_params={**GREEDY, "max_new_tokens": 24}
+            )["output_ids"]
         full = alone[prompt]
         assert u["output_ids"] == full[: len(u["output_ids"])], rid
         reason = u["meta_info"]["finish_reason"]

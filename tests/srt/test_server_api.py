@@ -1,4 +1,5 @@
 """The launched server (real processes, ZMQ, HTTP) through the official openai client and raw HTTP."""
+
 import concurrent.futures as cf
 import json
 import os
@@ -9,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -78,10 +78,15 @@ def test_completion_and_streaming_match(client):
 
 
 def test_chat_streaming_matches_non_streaming(client):
-    full = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT,
-                                          temperature=0, max_tokens=30)
-    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0,
-                                            max_tokens=30, stream=True, stream_options={"include_usage": True})
+    full = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=30)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=CHAT,
+        temperature=0,
+        max_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -92,25 +97,29 @@ def test_chat_streaming_matches_non_streaming(client):
 
 
 def test_n_samples_and_seed(client):
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, n=3, temperature=1.0,
-                                       max_tokens=12, seed=5)
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, n=3, temperature=1.0, max_tokens=12, seed=5
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) > 1
-    again = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, n=3, temperature=1.0,
-                                           max_tokens=12, seed=5)
+    again = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, n=3, temperature=1.0, max_tokens=12, seed=5
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
 
 def test_logprobs(client):
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=6,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for tok in content:
         assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
         assert tok.top_logprobs[0].token == tok.token  # greedy takes the most likely token
-    c = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello, my name is", temperature=0,
-                                  max_tokens=5, logprobs=2)
+    c = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Hello, my name is", temperature=0, max_tokens=5, logprobs=2
+    )
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == c.choices[0].text
@@ -118,16 +127,22 @@ def test_logprobs(client):
 
 def test_logit_bias(srv, client):
     kw = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
-    base = httpx.post(f"{srv.url}/generate", json={"text": kw["prompt"], "sampling_params": {
-        "temperature": 0, "max_new_tokens": 4}}, timeout=60).json()["output_ids"]
-    assert client.completions.create(**kw).choices[0].text == client.completions.create(
-        **kw, logit_bias={"7": 0}).choices[0].text
+    base = httpx.post(
+        f"{srv.url}/generate",
+        json={"text": kw["prompt"], "sampling_params": {"temperature": 0, "max_new_tokens": 4}},
+        timeout=60,
+    ).json()["output_ids"]
+    assert (
+        client.completions.create(**kw).choices[0].text
+        == client.completions.create(**kw, logit_bias={"7": 0}).choices[0].text
+    )
     banned = client.completions.create(**kw, logit_bias={str(base[0]): -100}, logprobs=1)
     assert banned.choices[0].text != client.completions.create(**kw).choices[0].text
     # +100 on one token makes it win under any prompt and temperature
     a = client.completions.create(**kw, logit_bias={"28": 100})
-    b = client.completions.create(**{**kw, "prompt": "Once upon", "temperature": 1.0, "seed": 2},
-                                  logit_bias={"28": 100})
+    b = client.completions.create(
+        **{**kw, "prompt": "Once upon", "temperature": 1.0, "seed": 2}, logit_bias={"28": 100}
+    )
     assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 4
 
 
@@ -140,19 +155,30 @@ def test_cached_tokens_on_repeated_prompt(client):
 
 
 def test_native_generate(srv):
-    r = httpx.post(f"{srv.url}/generate", json={"text": "The capital of France is",
-                                                   "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
-                   timeout=60)
+    r = httpx.post(
+        f"{srv.url}/generate",
+        json={"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+        timeout=60,
+    )
     assert r.status_code == 200
     body = r.json()
     assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) == 8
-    batch = httpx.post(f"{srv.url}/generate", json={"text": ["Hi", "Bye"],
-                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 3}},
-                       timeout=60).json()
+    batch = httpx.post(
+        f"{srv.url}/generate",
+        json={"text": ["Hi", "Bye"], "sampling_params": {"temperature": 0, "max_new_tokens": 3}},
+        timeout=60,
+    ).json()
     assert [b["index"] for b in batch] == [0, 1]
-    with httpx.stream("POST", f"{srv.url}/generate", json={"input_ids": [504, 3575, 282, 4649, 314], "stream": True,
-                                                              "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
-                      timeout=60) as s:
+    with httpx.stream(
+        "POST",
+        f"{srv.url}/generate",
+        json={
+            "input_ids": [504, 3575, 282, 4649, 314],
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+        },
+        timeout=60,
+    ) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
@@ -160,18 +186,42 @@ def test_native_generate(srv):
 
 
 def test_64_concurrent_streaming_chats(srv, client):
-    topics = ["cats", "the sea", "Paris", "music", "rain", "bread", "trains", "snow",
-              "the moon", "coffee", "chess", "forests", "rivers", "robots", "gold", "tea"]
+    topics = [
+        "cats",
+        "the sea",
+        "Paris",
+        "music",
+        "rain",
+        "bread",
+        "trains",
+        "snow",
+        "the moon",
+        "coffee",
+        "chess",
+        "forests",
+        "rivers",
+        "robots",
+        "gold",
+        "tea",
+    ]
     prompts = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
     reference = {}
     with cf.ThreadPoolExecutor(16) as pool:
-        for t, r in zip(topics, pool.map(lambda m: client.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=m, temperature=0, max_tokens=16), prompts)):
+        for t, r in zip(
+            topics,
+            pool.map(
+                lambda m: client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct", messages=m, temperature=0, max_tokens=16
+                ),
+                prompts,
+            ),
+        ):
             reference[t] = r.choices[0].message.content
 
     def stream(i):
-        s = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=prompts[i % 16], temperature=0,
-                                           max_tokens=16, stream=True)
+        s = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=prompts[i % 16], temperature=0, max_tokens=16, stream=True
+        )
         return topics[i % 16], "".join(c.choices[0].delta.content or "" for c in s if c.choices)
 
     with cf.ThreadPoolExecutor(64) as pool:
@@ -182,16 +232,28 @@ def test_64_concurrent_streaming_chats(srv, client):
     assert len(set(reference.values())) == 16
 
 
-def test_loaded_streams_end_whole(srv):
+def test_loaded_streams_end_whole(overlap_server):
     """64 concurrent streams of 4 answers each with 20 top logprobs per token: the handlers have much to write
     and fall behind the scheduler. Every answer still gets all its tokens, all its logprobs and exactly one
-    finish, and the usage chunk agrees with what was streamed."""
+    finish, and the usage chunk agrees with what was streamed. On the overlap scheduler (the GPU default), whose
+    tokens reach the HTTP process while the next step runs: there the handlers lag most (the plain scheduler's
+    streams are loaded by test_64_concurrent_streaming_chats)."""
+    srv = overlap_server
     msgs = [[{"role": "user", "content": f"Name {k} animals."}] for k in range(1, 9)]
 
     def stream(i):
         s = srv_client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=msgs[i % 8], temperature=0.9, seed=i, max_tokens=12, n=4,
-            logprobs=True, top_logprobs=20, stream=True, stream_options={"include_usage": True})
+            model="SmolLM2-135M-Instruct",
+            messages=msgs[i % 8],
+            temperature=0.9,
+            seed=i,
+            max_tokens=12,
+            n=4,
+            logprobs=True,
+            top_logprobs=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         return list(s)
 
     srv_client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -218,8 +280,14 @@ def test_loaded_streams_end_whole(srv):
 
 
 def test_disconnected_streams_are_aborted(srv):
-    body = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 2000, "ignore_eos": True,
-            "temperature": 0.7, "stream": True}
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": CHAT,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0.7,
+        "stream": True,
+    }
 
     def cut():
         with httpx.Client(timeout=60) as c, c.stream("POST", f"{srv.url}/v1/chat/completions", json=body) as r:
@@ -260,16 +328,23 @@ def fresh_overlap_server():
 def test_disconnect_soak_keeps_scheduler_memory_flat(fresh_overlap_server):
     """Hundreds of clients hanging up mid-answer at random points (waiting, prefilling a shared system prompt,
     decoding): nothing stays behind. Each disconnect once leaked ~1.5 MB of the scheduler's host memory under the
-    overlap scheduler; after a warm-up round (caches and pools reach their working size) the scheduler's RSS stays
-    within a bound that 120 such leaks would far exceed. Overlap only: the plain scheduler never leaked here, and
+    overlap scheduler. After a warm-up round (caches and pools reach their working size), two rounds of 100: a
+    leak grows the scheduler's RSS in both (by ~150 MB each at that rate), while the allocator's occasional
+    one-off step (an arena grown under a loaded host) shows in one at most, so the smaller growth must stay under
+    a bound 35 such leaks would exceed. Overlap only: the plain scheduler never leaked here, and
     test_aborts_leave_no_request_alive covers both in process."""
     assert _server_info(fresh_overlap_server)["scheduler"]["overlap"]
     system = "You are a geography tutor who answers in detail. " * 8
     rng = random.Random(0)
 
     def cut(i):
-        body = {"model": "SmolLM2-135M-Instruct", "temperature": 0.8, "max_tokens": 32, "stream": True,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Tell me of city {i}."}]}
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "temperature": 0.8,
+            "max_tokens": 32,
+            "stream": True,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Tell me of city {i}."}],
+        }
         after = rng.randint(1, 6)
         url = f"{fresh_overlap_server.url}/v1/chat/completions"
         with httpx.Client(timeout=60) as c, c.stream("POST", url, json=body) as r:
@@ -285,13 +360,15 @@ def test_disconnect_soak_keeps_scheduler_memory_flat(fresh_overlap_server):
             return sum(pool.map(cut, range(n)))
 
     soak(60)
-    _wait_idle(fresh_overlap_server)
-    before = _scheduler_rss_mb(fresh_overlap_server)
-    cuts = soak(160)
-    _wait_idle(fresh_overlap_server)
-    grown = _scheduler_rss_mb(fresh_overlap_server) - before
-    assert cuts >= 120, cuts
-    assert grown < 48, f"scheduler RSS grew {grown:.0f} MB over {cuts} disconnects"
+    grown, cuts = [], 0
+    for _ in range(2):
+        _wait_idle(fresh_overlap_server)
+        before = _scheduler_rss_mb(fresh_overlap_server)
+        cuts += soak(100)
+        _wait_idle(fresh_overlap_server)
+        grown.append(_scheduler_rss_mb(fresh_overlap_server) - before)
+    assert cuts >= 150, cuts
+    assert min(grown) < 48, f"scheduler RSS grew {grown} MB in two rounds of 100 ({cuts} disconnects)"
     assert _server_info(fresh_overlap_server)["requests_in_flight"] == 0
     assert httpx.post(f"{fresh_overlap_server.url}/flush_cache", timeout=30).status_code == 200
     stats = _server_info(fresh_overlap_server)["scheduler"]
@@ -299,11 +376,15 @@ def test_disconnect_soak_keeps_scheduler_memory_flat(fresh_overlap_server):
 
 
 def test_abort_request_endpoint(srv):
-    body = {"text": "Count forever:", "rid": "to-abort",
-            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    body = {
+        "text": "Count forever:",
+        "rid": "to-abort",
+        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+    }
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(f"{srv.url}/generate", json=body,
-                                                                          timeout=120)))
+    t = threading.Thread(
+        target=lambda: result.setdefault("r", httpx.post(f"{srv.url}/generate", json=body, timeout=120))
+    )
     t.start()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

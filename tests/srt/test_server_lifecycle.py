@@ -1,4 +1,5 @@
 """Server edges: bad input (while a generation streams on), auth, overload, metrics, shutdown, child death."""
+
 import glob
 import json
 import threading
@@ -26,8 +27,14 @@ def test_bad_inputs_leave_a_running_stream_unharmed(server):
     result = {}
 
     def long_stream():
-        body = {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 120, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": CHAT,
+            "max_tokens": 120,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         text, finish = "", None
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
@@ -60,8 +67,11 @@ def test_bad_inputs_leave_a_running_stream_unharmed(server):
     assert _error(httpx.post(comp, json={"prompt": "hi", "logit_bias": {"99999999": 1}}), 400)["param"] == "logit_bias"
     assert _error(httpx.post(chat, json={**ok, "messages": []}), 400)["param"] == "messages"
     _error(httpx.post(chat, json={**ok, "messages": [{"role": "wizard", "content": "hi"}]}), 400)
-    _error(httpx.post(chat, content=b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', headers=headers), 400,
-           "invalid_encoding")
+    _error(
+        httpx.post(chat, content=b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', headers=headers),
+        400,
+        "invalid_encoding",
+    )
     lone = b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
     assert "surrogate" in _error(httpx.post(chat, content=lone, headers=headers), 400)["message"]
     assert "surrogate" in _error(httpx.post(comp, content=b'{"prompt": "\\udfff"}', headers=headers), 400)["message"]
@@ -74,8 +84,17 @@ def test_bad_inputs_leave_a_running_stream_unharmed(server):
     _error(httpx.post(f"{url}/generate", json={"text": ""}), 400)
     t.join(timeout=300)
     assert result["finish"] == "length" and len(result["text"]) > 100
-    reference = httpx.post(chat, json={"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 120,
-                                       "ignore_eos": True, "temperature": 0}, timeout=300).json()
+    reference = httpx.post(
+        chat,
+        json={
+            "model": "SmolLM2-135M-Instruct",
+            "messages": CHAT,
+            "max_tokens": 120,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+        timeout=300,
+    ).json()
     assert result["text"] == reference["choices"][0]["message"]["content"]
     assert httpx.get(f"{url}/health").status_code == 200
 
@@ -83,10 +102,17 @@ def test_bad_inputs_leave_a_running_stream_unharmed(server):
 def test_metrics(server):
     httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("radixlm_time_to_first_token_seconds_bucket", "radixlm_inter_token_latency_seconds_bucket",
-                 "radixlm_e2e_request_latency_seconds_count", "radixlm_generation_tokens_total",
-                 "radixlm_cache_hit_rate", "radixlm_num_running_reqs", "radixlm_num_waiting_reqs",
-                 "radixlm_kv_cache_usage_ratio", "radixlm_http_requests_total"):
+    for name in (
+        "radixlm_time_to_first_token_seconds_bucket",
+        "radixlm_inter_token_latency_seconds_bucket",
+        "radixlm_e2e_request_latency_seconds_count",
+        "radixlm_generation_tokens_total",
+        "radixlm_cache_hit_rate",
+        "radixlm_num_running_reqs",
+        "radixlm_num_waiting_reqs",
+        "radixlm_kv_cache_usage_ratio",
+        "radixlm_http_requests_total",
+    ):
         assert name in text, name
     gen = [line for line in text.splitlines() if line.startswith("radixlm_generation_tokens_total{")]
     assert float(gen[0].split()[-1]) >= 3
@@ -111,8 +137,14 @@ def test_api_key(guarded):
 def test_overloaded_answers_503(guarded):
     auth = {"authorization": "Bearer sekret"}
     body = {"prompt": "Count:", "max_tokens": 100, "ignore_eos": True}  # long enough to hold both slots
-    threads = [threading.Thread(target=httpx.post, args=(f"{guarded.url}/v1/completions",),
-                                kwargs={"json": body, "headers": auth, "timeout": 300}) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=httpx.post,
+            args=(f"{guarded.url}/v1/completions",),
+            kwargs={"json": body, "headers": auth, "timeout": 300},
+        )
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
@@ -122,8 +154,12 @@ def test_overloaded_answers_503(guarded):
     _error(httpx.post(f"{guarded.url}/v1/completions", json=body, headers=auth), 503, "overloaded")
     for t in threads:
         t.join()
-    assert httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                      headers=auth, timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            f"{guarded.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=auth, timeout=60
+        ).status_code
+        == 200
+    )
 
 
 def test_sigterm_shuts_down_cleanly():

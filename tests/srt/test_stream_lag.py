@@ -6,6 +6,7 @@ queues every update of a request (text deltas, logprobs, the final one) before a
 busy GPU server shows when two updates of one stream reach the HTTP process between two wake-ups of its
 handler, made deterministic. Every route must still send each delta, each logprob and one finish per answer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,9 +41,19 @@ def _updates(msg: GenerateReq, pieces: list[str], finish: FinishReason) -> list[
         tid = 1000 + k
         lp = [(-0.5 - k, tid)] if msg.return_logprob else None
         top = [[(-0.5 - k, tid), (-3.0, 7)][: max(msg.top_logprobs_num, 1)]] if msg.top_logprobs_num else None
-        outs.append(TokenOutput(msg.rid, [tid], len(msg.input_ids), k + 1, 0, delta=piece,
-                                finished_reason=finish if k == len(pieces) - 1 else None,
-                                output_logprobs=lp, output_top_logprobs=top))
+        outs.append(
+            TokenOutput(
+                msg.rid,
+                [tid],
+                len(msg.input_ids),
+                k + 1,
+                0,
+                delta=piece,
+                finished_reason=finish if k == len(pieces) - 1 else None,
+                output_logprobs=lp,
+                output_top_logprobs=top,
+            )
+        )
     return outs
 
 
@@ -51,8 +62,15 @@ async def _serve(tokenizer, tmp_path, body: dict, route: str, pieces=PIECES, fin
     text (the whole event stream)."""
     endpoints = {n: f"ipc://{tmp_path}/{n}" for n in ("scheduler", "detokenizer", "tokenizer")}
     args = ServerArgs(scheduler_cpus="none")
-    info = {"context_length": 8192, "max_total_tokens": 20000, "vocab_size": len(tokenizer), "eos_token_ids": [2],
-            "device": "cpu", "architecture": "LlamaForCausalLM", "dtype": "float32"}
+    info = {
+        "context_length": 8192,
+        "max_total_tokens": 20000,
+        "vocab_size": len(tokenizer),
+        "eos_token_ids": [2],
+        "device": "cpu",
+        "architecture": "LlamaForCausalLM",
+        "dtype": "float32",
+    }
     tm = TokenizerManager(args, tokenizer, info, endpoints, Metrics("m"))
     ctx = zmq.asyncio.Context()
     sched = ctx.socket(zmq.PULL)
@@ -87,7 +105,7 @@ async def _serve(tokenizer, tmp_path, body: dict, route: str, pieces=PIECES, fin
 
 
 def _events(text: str) -> list[dict]:
-    lines = [ln[len("data: "):] for ln in text.split("\n") if ln.startswith("data: ")]
+    lines = [ln[len("data: ") :] for ln in text.split("\n") if ln.startswith("data: ")]
     assert lines and lines[-1] == "[DONE]", text[-300:]
     return [json.loads(x) for x in lines[:-1]]
 
@@ -98,8 +116,15 @@ def _run(coro):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_chat_stream_keeps_every_update(tokenizer, tmp_path, n):
-    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True, "n": n,
-            "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stream": True,
+        "n": n,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream_options": {"include_usage": True},
+    }
     status, text = _run(_serve(tokenizer, tmp_path, body, "/v1/chat/completions"))
     assert status == 200
     events = _events(text)
@@ -143,10 +168,22 @@ def test_native_generate_stream_chunks_are_as_of_their_update(tokenizer, tmp_pat
 def test_tool_call_stream_ends_with_the_call(tokenizer, tmp_path):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     pieces = [call[:5], call[5:30], call[30:]]
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "stream": True,
-            "tools": tools, "tool_choice": "required"}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "stream": True,
+        "tools": tools,
+        "tool_choice": "required",
+    }
     status, text = _run(_serve(tokenizer, tmp_path, body, "/v1/chat/completions", pieces=pieces))
     assert status == 200
     choices = [c for e in _events(text) for c in e["choices"]]

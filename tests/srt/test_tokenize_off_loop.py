@@ -1,5 +1,6 @@
 """Long prompts are tokenized on the tokenizer manager's own thread, so the event loop keeps streaming other
 requests' tokens meanwhile; short ones stay inline; errors reach the request either way."""
+
 import asyncio
 import concurrent.futures
 import threading

@@ -10,6 +10,7 @@ Nothing a client sends is dropped without a word. Every field a body may hold is
 OpenAI's lists are read from openai-python's request types (`types/chat/completion_create_params.py`,
 `types/completion_create_params.py` and the message, content-part and tool types they use). Types are strict
 ("10" is not an integer)."""
+
 from __future__ import annotations
 
 import difflib
@@ -42,17 +43,25 @@ class FieldError(ValueError):
 
 
 # OpenAI fields accepted and not acted on: none can change an answer (bookkeeping, billing, cache hints).
-IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-           "prompt_cache_retention", "prompt_cache_options")
+IGNORED = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+)
 # OpenAI chat fields refused when set: (why, the values that ask for nothing we lack).
 REFUSED: dict[str, tuple[str, tuple]] = {
     "audio": ("this server answers in text only", ()),
-    "modalities": ("this server answers in text only (modalities [\"text\"] is accepted)", (["text"],)),
+    "modalities": ('this server answers in text only (modalities ["text"] is accepted)', (["text"],)),
     "prediction": ("predicted outputs are not implemented", ()),
     "functions": ("the deprecated functions API is not implemented; send tools", ()),
     "function_call": ("the deprecated function_call is not implemented; send tool_choice", ()),
     "web_search_options": ("this server has no web search", ()),
-    "reasoning_effort": ("the model runs no reasoning budget (only \"none\" is accepted)", ("none",)),
+    "reasoning_effort": ('the model runs no reasoning budget (only "none" is accepted)', ("none",)),
     "verbosity": ("the answer's verbosity cannot be set", ()),
     "moderation": ("this server runs no moderation", ()),
 }
@@ -75,8 +84,9 @@ def _check_keys(obj, allowed: set[str], where: str) -> None:
     if isinstance(obj, dict):
         for key in obj:
             if key not in allowed:
-                raise FieldError(f"{where}.{key}", f"{where.split('.')[-1]} takes {', '.join(sorted(allowed))}",
-                                 kind="unknown")
+                raise FieldError(
+                    f"{where}.{key}", f"{where.split('.')[-1]} takes {', '.join(sorted(allowed))}", kind="unknown"
+                )
 
 
 class _Base(BaseModel):
@@ -97,7 +107,7 @@ class ResponseFormat(_Base):
     @model_validator(mode="after")
     def _keys(self):
         if self.json_schema is not None and self.type != "json_schema":
-            raise FieldError("json_schema", f"only read with type \"json_schema\" (type is {self.type!r})")
+            raise FieldError("json_schema", f'only read with type "json_schema" (type is {self.type!r})')
         _check_keys(self.json_schema, {"name", "description", "schema", "strict"}, "json_schema")
         return self
 
@@ -165,8 +175,10 @@ class CompletionRequest(_SamplingFields):
 
 # Content parts: the keys of the kinds read here; other kinds (image_url, input_audio, file) are refused whole by
 # the serving code, which reads content parts as dicts.
-_PART_KEYS = {"text": {"type", "text", "prompt_cache_breakpoint"},  # the cache breakpoint is a hint: ignored
-              "refusal": {"type", "refusal"}}
+_PART_KEYS = {
+    "text": {"type", "text", "prompt_cache_breakpoint"},  # the cache breakpoint is a hint: ignored
+    "refusal": {"type", "refusal"},
+}
 
 
 class ChatMessage(_Base):
@@ -239,8 +251,9 @@ class ChatCompletionRequest(_SamplingFields):
             if isinstance(tool, dict) and tool.get("type") == "function":
                 _check_keys(tool, {"type", "function"}, f"tools[{i}]")
                 # strict: arguments always follow the schema (the call is constrained)
-                _check_keys(tool.get("function"), {"name", "description", "parameters", "strict"},
-                            f"tools[{i}].function")
+                _check_keys(
+                    tool.get("function"), {"name", "description", "parameters", "strict"}, f"tools[{i}].function"
+                )
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function":
             _check_keys(choice, {"type", "function"}, "tool_choice")
@@ -251,8 +264,10 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerateRequest(_Base):
     """The native /generate body (SGLang's shape); unknown sampling_params keys are refused by SamplingParams."""
 
-    UNKNOWN_HINT: ClassVar[str] = ("/generate takes text, input_ids, sampling_params, stream, return_logprob, "
-                                   "top_logprobs_num, logprob_start_len, return_text_in_logprobs and rid")
+    UNKNOWN_HINT: ClassVar[str] = (
+        "/generate takes text, input_ids, sampling_params, stream, return_logprob, "
+        "top_logprobs_num, logprob_start_len, return_text_in_logprobs and rid"
+    )
     text: Union[str, list[str], None] = None
     input_ids: Union[list[int], list[list[int]], None] = None
     sampling_params: Union[dict, list[dict], None] = None
@@ -305,8 +320,7 @@ def _unknown(model: type[BaseModel], loc: tuple) -> UnknownField:
         msg += ": extra_body is an option of the client; its fields go at the top level of the body"
     elif holder is not None:
         close = difflib.get_close_matches(str(key), [k for k in holder.model_fields if k not in REFUSED], n=1)
-        msg += f"; did you mean {close[0]!r}?" if close else (f": {holder.UNKNOWN_HINT}" if holder.UNKNOWN_HINT
-                                                                 else "")
+        msg += f"; did you mean {close[0]!r}?" if close else (f": {holder.UNKNOWN_HINT}" if holder.UNKNOWN_HINT else "")
     return UnknownField(msg, param=path)
 
 

@@ -1,4 +1,5 @@
 """/v1/completions, /v1/chat/completions and /v1/models on top of the tokenizer manager."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,10 @@ class RequestFailed(RadixLMError):
 def _call_incomplete(max_tokens: int | None) -> InvalidRequest:
     """tool_choice required or named: the grammar admits nothing but a call, so an answer without a whole call
     ran out of tokens first; an error, never a plain answer in place of the call."""
-    return InvalidRequest(f"the answer reached max_tokens ({max_tokens}) before its tool call was complete; "
-                          "raise max_tokens", param="max_tokens")
+    return InvalidRequest(
+        f"the answer reached max_tokens ({max_tokens}) before its tool call was complete; raise max_tokens",
+        param="max_tokens",
+    )
 
 
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "regex", "grammar": "ebnf"}
@@ -85,8 +88,12 @@ def usage(states: list[ReqState]) -> dict:
         first_sample.setdefault(st.prompt_index, st)
     prompt = sum(st.prompt_tokens or len(st.input_ids) for st in first_sample.values())
     completion = sum(st.completion_tokens for st in states)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(st.cached_tokens for st in first_sample.values())}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(st.cached_tokens for st in first_sample.values())},
+    }
 
 
 class OpenAIServing:
@@ -96,23 +103,45 @@ class OpenAIServing:
         self.model_path = model_path
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "radixlm", "root": self.model_path,
-                                            "max_model_len": self.tm.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "radixlm",
+                    "root": self.model_path,
+                    "max_model_len": self.tm.context_length,
+                }
+            ],
+        }
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.name, self.model_path):
-            raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.name}`.",
-                                param="model")
+            raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.name}`.", param="model")
 
     def _params(self, req, max_tokens: int | None, **grammar) -> SamplingParams:
-        d = {**grammar, "max_new_tokens": max_tokens, "n": req.n, "stop": req.stop if req.stop is not None else [],
-             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-             "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-             "repetition_penalty": req.repetition_penalty, "min_new_tokens": req.min_tokens,
-             "ignore_eos": req.ignore_eos, "stop_token_ids": req.stop_token_ids,
-             "skip_special_tokens": req.skip_special_tokens, "no_stop_trim": req.no_stop_trim, "seed": req.seed,
-             "logit_bias": req.logit_bias}
+        d = {
+            **grammar,
+            "max_new_tokens": max_tokens,
+            "n": req.n,
+            "stop": req.stop if req.stop is not None else [],
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "min_new_tokens": req.min_tokens,
+            "ignore_eos": req.ignore_eos,
+            "stop_token_ids": req.stop_token_ids,
+            "skip_special_tokens": req.skip_special_tokens,
+            "no_stop_trim": req.no_stop_trim,
+            "seed": req.seed,
+            "logit_bias": req.logit_bias,
+        }
         try:
             return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None or k == "max_new_tokens"})
         except GrammarError:
@@ -149,8 +178,9 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, request):
         self._check_model(req.model)
         if req.suffix:
-            raise UnsupportedField("suffix is not supported: insertion (text after the answer) is not implemented",
-                                   param="suffix")
+            raise UnsupportedField(
+                "suffix is not supported: insertion (text after the answer) is not implemented", param="suffix"
+            )
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequest("best_of must equal n (beam-style best_of is not supported)", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= _MAX_TOP_LOGPROBS:
@@ -165,17 +195,22 @@ class OpenAIServing:
         try:
             params = await self._sampling(req, req.max_tokens, grammar)
             inputs = [PreparedInput(*tok, params) for tok in await self.tm.tokenize_many(prompts)]
-            states = self.tm.submit(inputs, return_logprob=want_lp, top_logprobs_num=req.logprobs or 0,
-                                    logprob_start_len=0 if (want_lp and req.echo) else -1, stream=req.stream,
-                                    rids=[req.rid] * len(inputs) if req.rid and len(inputs) == 1 and req.n == 1
-                                    else None)
+            states = self.tm.submit(
+                inputs,
+                return_logprob=want_lp,
+                top_logprobs_num=req.logprobs or 0,
+                logprob_start_len=0 if (want_lp and req.echo) else -1,
+                stream=req.stream,
+                rids=[req.rid] * len(inputs) if req.rid and len(inputs) == 1 and req.n == 1 else None,
+            )
         except GrammarError as e:
             raise self._grammar_param(field, e) from None
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream_completions(req, states, rid, created, request),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream_completions(req, states, rid, created, request), media_type="text/event-stream"
+            )
         await self.tm.wait(states, request)
         try:
             raise_if_failed(states)
@@ -184,12 +219,28 @@ class OpenAIServing:
         choices = []
         for st in states:
             text = (self._prompt_text(st) if req.echo else "") + st.text
-            choices.append({"index": st.index, "text": text, "finish_reason": _FINISH.get(st.finish_reason.type),
-                            "logprobs": self._completion_logprobs(st.output_logprobs, st.output_top_logprobs,
-                                                                  st.input_logprobs if req.echo else ())
-                            if want_lp else None})
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                               "choices": choices, "usage": usage(states)})
+            choices.append(
+                {
+                    "index": st.index,
+                    "text": text,
+                    "finish_reason": _FINISH.get(st.finish_reason.type),
+                    "logprobs": self._completion_logprobs(
+                        st.output_logprobs, st.output_top_logprobs, st.input_logprobs if req.echo else ()
+                    )
+                    if want_lp
+                    else None,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.name,
+                "choices": choices,
+                "usage": usage(states),
+            }
+        )
 
     def _prompt_text(self, st: ReqState) -> str:
         return st.prompt_text if st.prompt_text is not None else self.tm.tokenizer.decode(st.input_ids)
@@ -204,20 +255,32 @@ class OpenAIServing:
             tokens.append(self._token_str(tid))
             offsets.append(pos)
             pos += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries],
-                "top_logprobs": [None if top is None else {self._token_str(t): v for v, t in top}
-                                 for _, _, top in entries], "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for lp, _, _ in entries],
+            "top_logprobs": [None if top is None else {self._token_str(t): v for v, t in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
 
     async def _stream_completions(self, req: CompletionRequest, states, rid, created, request) -> AsyncIterator[bytes]:
         def chunk(choices, **extra):
-            return sse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                        "choices": choices, **extra})
+            return sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.name,
+                    "choices": choices,
+                    **extra,
+                }
+            )
 
         want_lp = req.logprobs is not None
         if req.echo:
             for st in states:
-                yield chunk([{"index": st.index, "text": self._prompt_text(st), "logprobs": None,
-                              "finish_reason": None}])
+                yield chunk(
+                    [{"index": st.index, "text": self._prompt_text(st), "logprobs": None, "finish_reason": None}]
+                )
         async for st, out in self.tm.updates(states):
             if out.failed:
                 yield sse(RequestFailed(out.finished_reason).to_dict())
@@ -245,8 +308,12 @@ class OpenAIServing:
         kw = {"tools": [{"type": "function", "function": f} for f in funcs]} if own else {}
         try:
             ids = self.tm.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, tokenize=True, **kw)
+                messages,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message,
+                tokenize=True,
+                **kw,
+            )
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise InvalidRequest(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -255,8 +322,10 @@ class OpenAIServing:
     def _message(i: int, m, own_template: bool) -> dict:
         where = f"messages[{i}]"
         if m.role not in _ROLES:
-            raise InvalidRequest(f"{where}.role: unsupported role {m.role!r} (supported: {', '.join(sorted(_ROLES))})",
-                                 param=f"{where}.role")
+            raise InvalidRequest(
+                f"{where}.role: unsupported role {m.role!r} (supported: {', '.join(sorted(_ROLES))})",
+                param=f"{where}.role",
+            )
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
@@ -266,19 +335,24 @@ class OpenAIServing:
                 elif kind == "refusal" and m.role == "assistant" and isinstance(part.get("refusal"), str):
                     texts.append(part["refusal"])  # what the assistant said, as the model should see it
                 elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
-                    raise UnsupportedField(f"{where}.content[{j}] is not supported: this model takes text only "
-                                           f"({kind} parts)", param=f"{where}.content[{j}]")
+                    raise UnsupportedField(
+                        f"{where}.content[{j}] is not supported: this model takes text only ({kind} parts)",
+                        param=f"{where}.content[{j}]",
+                    )
                 else:
-                    raise InvalidRequest(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": ...}}",
-                                         param=f"{where}.content")
+                    raise InvalidRequest(
+                        f'{where}.content[{j}] must be {{"type": "text", "text": ...}}', param=f"{where}.content"
+                    )
             content = "".join(texts)
         else:
             content = m.content
         if m.refusal:  # an earlier answer's refusal (OpenAI returns it beside a null content): what it said
             content = f"{content}\n{m.refusal}" if content else m.refusal
         if m.role == "tool" and not (isinstance(m.tool_call_id, str) and m.tool_call_id):
-            raise InvalidRequest(f"{where}.tool_call_id is required on tool messages (the id of the call it answers)",
-                                 param=f"{where}.tool_call_id")
+            raise InvalidRequest(
+                f"{where}.tool_call_id is required on tool messages (the id of the call it answers)",
+                param=f"{where}.tool_call_id",
+            )
         calls = []
         if m.tool_calls is not None:
             if m.role != "assistant":
@@ -291,8 +365,11 @@ class OpenAIServing:
                 except json.JSONDecodeError:
                     parsed = None
                 if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(parsed, dict):
-                    raise InvalidRequest(f"{where}.tool_calls[{j}] must hold function.name and function.arguments "
-                                         "(a JSON object as a string)", param=f"{where}.tool_calls")
+                    raise InvalidRequest(
+                        f"{where}.tool_calls[{j}] must hold function.name and function.arguments "
+                        "(a JSON object as a string)",
+                        param=f"{where}.tool_calls",
+                    )
                 calls.append({"name": f["name"], "arguments": parsed})
         if content is None and not calls:
             raise InvalidRequest(f"{where}.content must not be null", param=f"{where}.content")
@@ -306,37 +383,52 @@ class OpenAIServing:
             msg["tool_call_id"] = m.tool_call_id
         return msg
 
-    def _grammar(self, req, mode: str = "none", funcs: list[dict] | None = None,
-                 name: str | None = None) -> tuple[dict, str | None]:
+    def _grammar(
+        self, req, mode: str = "none", funcs: list[dict] | None = None, name: str | None = None
+    ) -> tuple[dict, str | None]:
         """Sampling parameters for response_format, tools and the other constraint fields (SGLang's json_schema /
         regex / ebnf, vLLM's guided_* and structured_outputs), at most one of them; and the request field it came
         from, which errors about it name."""
         so = req.structured_outputs or {}
         unknown = sorted(set(so) - set(_STRUCTURED_OUTPUTS))
         if unknown:
-            raise InvalidRequest(f"structured_outputs: unknown field(s) {', '.join(unknown)} (supported: "
-                                 f"{', '.join(_STRUCTURED_OUTPUTS)})", param="structured_outputs")
+            raise InvalidRequest(
+                f"structured_outputs: unknown field(s) {', '.join(unknown)} (supported: "
+                f"{', '.join(_STRUCTURED_OUTPUTS)})",
+                param="structured_outputs",
+            )
         given = {  # request field -> (grammar kind, value)
-            "json_schema": ("json_schema", req.json_schema), "regex": ("regex", req.regex), "ebnf": ("ebnf", req.ebnf),
-            "guided_json": ("json_schema", req.guided_json), "guided_regex": ("regex", req.guided_regex),
+            "json_schema": ("json_schema", req.json_schema),
+            "regex": ("regex", req.regex),
+            "ebnf": ("ebnf", req.ebnf),
+            "guided_json": ("json_schema", req.guided_json),
+            "guided_regex": ("regex", req.guided_regex),
             "guided_choice": ("regex", _choices(req.guided_choice, "guided_choice")),
             "guided_grammar": ("ebnf", req.guided_grammar),
-            **{f"structured_outputs.{k}": (_STRUCTURED_OUTPUTS[k], v if k != "choice" else
-                                           _choices(v, "structured_outputs.choice")) for k, v in so.items()},
+            **{
+                f"structured_outputs.{k}": (
+                    _STRUCTURED_OUTPUTS[k],
+                    v if k != "choice" else _choices(v, "structured_outputs.choice"),
+                )
+                for k, v in so.items()
+            },
         }
         rf = req.response_format
         if rf is not None:
             if rf.type == "json_schema":
                 schema = (rf.json_schema or {}).get("schema")
                 if not isinstance(schema, (dict, bool)):
-                    raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
-                                         param="response_format")
+                    raise InvalidRequest(
+                        "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+                    )
                 given["response_format"] = ("json_schema", schema)
             elif rf.type == "json_object":
                 given["response_format"] = ("json_schema", {"type": "object"})
             elif rf.type != "text":
-                raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
-                                     param="response_format")
+                raise InvalidRequest(
+                    f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
+                    param="response_format",
+                )
         spec = tooling.tool_grammar(funcs or [], mode, name)
         if spec is not None:
             given["tools"] = ("tool_call", spec)
@@ -344,8 +436,11 @@ class OpenAIServing:
         if len(used) > 1:
             fields = [u[0] for u in used]
             if "tools" in fields:
-                raise InvalidRequest("tools cannot be combined with response_format or another grammar; use "
-                                     'tool_choice "none" for a constrained text answer', param="tools")
+                raise InvalidRequest(
+                    "tools cannot be combined with response_format or another grammar; use "
+                    'tool_choice "none" for a constrained text answer',
+                    param="tools",
+                )
             raise InvalidRequest(f"give at most one constraint (got {', '.join(fields)})", param=fields[1])
         return {kind: value for _, kind, value in used}, (used[0][0] if used else None)
 
@@ -362,26 +457,34 @@ class OpenAIServing:
         funcs, mode, name = tooling.check_tools(req.tools, req.tool_choice)
         top = req.top_logprobs
         if top is not None and (not req.logprobs or not 0 <= top <= _MAX_TOP_LOGPROBS):
-            raise InvalidRequest(f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}] and needs logprobs=true",
-                                 param="top_logprobs")
+            raise InvalidRequest(
+                f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}] and needs logprobs=true", param="top_logprobs"
+            )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         grammar, field = self._grammar(req, mode, funcs, name)
         try:
             params = await self._sampling(req, max_tokens, grammar)
             # Rendering and tokenizing the messages runs on the tokenizer thread, off the event loop.
             ids = await self.tm.off_loop(lambda: self.chat_input_ids(req, funcs if mode != "none" else []))
-            states = self.tm.submit([PreparedInput(ids, None, params)], return_logprob=req.logprobs,
-                                    top_logprobs_num=top or 0, stream=req.stream,
-                                    rids=[req.rid] if req.rid and req.n == 1 else None)
+            states = self.tm.submit(
+                [PreparedInput(ids, None, params)],
+                return_logprob=req.logprobs,
+                top_logprobs_num=top or 0,
+                stream=req.stream,
+                rids=[req.rid] if req.rid and req.n == 1 else None,
+            )
         except GrammarError as e:
             raise self._grammar_param(field, e) from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         calls_on = mode != "none"
         if req.stream:
-            return StreamingResponse(self._stream_chat(req, states, rid, created, funcs if calls_on else None,
-                                                       forced=mode in ("required", "named")),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream_chat(
+                    req, states, rid, created, funcs if calls_on else None, forced=mode in ("required", "named")
+                ),
+                media_type="text/event-stream",
+            )
         await self.tm.wait(states, request)
         try:
             raise_if_failed(states)
@@ -397,12 +500,26 @@ class OpenAIServing:
                     finish = "tool_calls"
                 elif mode in ("required", "named"):
                     raise _call_incomplete(max_tokens)
-            choices.append({"index": st.index, "message": message,
-                            "logprobs": {"content": self._chat_logprobs(st.output_logprobs, st.output_top_logprobs)}
-                            if req.logprobs else None,
-                            "finish_reason": finish})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
-                               "choices": choices, "usage": usage(states)})
+            choices.append(
+                {
+                    "index": st.index,
+                    "message": message,
+                    "logprobs": {"content": self._chat_logprobs(st.output_logprobs, st.output_top_logprobs)}
+                    if req.logprobs
+                    else None,
+                    "finish_reason": finish,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.name,
+                "choices": choices,
+                "usage": usage(states),
+            }
+        )
 
     def _chat_logprobs(self, output_lps: list, output_tops: list | None) -> list[dict]:
         out = []
@@ -411,22 +528,42 @@ class OpenAIServing:
             tok = self._token_str(tid)
             entry = {"token": tok, "logprob": lp, "bytes": self._token_bytes(tid, tok), "top_logprobs": []}
             if i < len(tops):
-                entry["top_logprobs"] = [{"token": (t := self._token_str(x)), "logprob": v,
-                                          "bytes": self._token_bytes(x, t)} for v, x in tops[i]]
+                entry["top_logprobs"] = [
+                    {"token": (t := self._token_str(x)), "logprob": v, "bytes": self._token_bytes(x, t)}
+                    for v, x in tops[i]
+                ]
             out.append(entry)
         return out
 
-    async def _stream_chat(self, req: ChatCompletionRequest, states, rid, created, funcs: list[dict] | None,
-                           forced: bool = False) -> AsyncIterator[bytes]:
+    async def _stream_chat(
+        self, req: ChatCompletionRequest, states, rid, created, funcs: list[dict] | None, forced: bool = False
+    ) -> AsyncIterator[bytes]:
         """With tools, text that may still become a tool call is held back; a call is sent whole, as one
         delta.tool_calls entry, when its answer finishes."""
+
         def chunk(choices, **extra):
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name,
-                        "choices": choices, **extra})
+            return sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.name,
+                    "choices": choices,
+                    **extra,
+                }
+            )
 
         for st in states:
-            yield chunk([{"index": st.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            yield chunk(
+                [
+                    {
+                        "index": st.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
         held = {st.rid: "" for st in states}  # text not yet sent while it may be a tool call
         tag = tooling.BEGIN.strip()
         async for st, out in self.tm.updates(states):
@@ -446,8 +583,7 @@ class OpenAIServing:
                 else:
                     held[st.rid], delta = None, text  # plain text: stream from here on
             if delta or lp:
-                yield chunk([{"index": st.index, "delta": {"content": delta}, "logprobs": lp,
-                              "finish_reason": None}])
+                yield chunk([{"index": st.index, "delta": {"content": delta}, "logprobs": lp, "finish_reason": None}])
             if out.finished_reason:
                 finish = _FINISH.get(out.finished_reason.type)
                 content, calls = tooling.parse_tool_calls(held[st.rid], funcs) if funcs and held[st.rid] else (None, [])
@@ -455,12 +591,21 @@ class OpenAIServing:
                     yield sse(_call_incomplete(req.max_completion_tokens or req.max_tokens).to_dict())
                     continue
                 if calls:
-                    yield chunk([{"index": st.index, "delta": {"tool_calls": [
-                        {"index": k, **c} for k, c in enumerate(calls)]}, "logprobs": None, "finish_reason": None}])
+                    yield chunk(
+                        [
+                            {
+                                "index": st.index,
+                                "delta": {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
                     finish = "tool_calls"
                 if content:
-                    yield chunk([{"index": st.index, "delta": {"content": content}, "logprobs": None,
-                                  "finish_reason": None}])
+                    yield chunk(
+                        [{"index": st.index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]
+                    )
                 yield chunk([{"index": st.index, "delta": {}, "logprobs": None, "finish_reason": finish}])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=usage(states))

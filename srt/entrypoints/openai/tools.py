@@ -5,6 +5,7 @@ Calls are written in the Hermes/Qwen format (`<tool_call>\\n{"name": ..., "argum
 see srt/constrained/tool_grammar.py). A chat template that renders `tools` itself is given them; for one that
 does not (SmolLM2's), the tools are described in the system message and past calls and results are written
 in the same tags, so the model sees one consistent format."""
+
 from __future__ import annotations
 
 import json
@@ -34,38 +35,49 @@ def check_tools(tools: list | None, tool_choice) -> tuple[list[dict], str, str |
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
-            raise InvalidRequest(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
-                                 param=f"tools[{i}]")
+            raise InvalidRequest(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', param=f"tools[{i}]")
         name = f.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise InvalidRequest(f"tools[{i}].function.name must be 1 to 64 letters, digits, underscores or dashes, "
-                                 f"got {name!r}", param=f"tools[{i}].function.name")
+            raise InvalidRequest(
+                f"tools[{i}].function.name must be 1 to 64 letters, digits, underscores or dashes, got {name!r}",
+                param=f"tools[{i}].function.name",
+            )
         if name in names:
             raise InvalidRequest(f"tools[{i}]: function name {name!r} appears twice", param=f"tools[{i}].function.name")
         params = f.get("parameters", {"type": "object", "properties": {}})
         # Arguments are a JSON object (OpenAI's contract, and what a call's `arguments` string decodes to): a schema
         # of any other type could never be answered with a call.
         if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema of type \"object\"",
-                                 param=f"tools[{i}].function.parameters")
+            raise InvalidRequest(
+                f'tools[{i}].function.parameters must be a JSON schema of type "object"',
+                param=f"tools[{i}].function.parameters",
+            )
         params = {"type": "object", **params}
         if json_depth(params) > MAX_SCHEMA_DEPTH - 8:  # the call schema wraps it a few levels deeper
-            raise InvalidRequest(f"tools[{i}].function.parameters nests deeper than {MAX_SCHEMA_DEPTH - 8} levels",
-                                 param=f"tools[{i}].function.parameters")
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters nests deeper than {MAX_SCHEMA_DEPTH - 8} levels",
+                param=f"tools[{i}].function.parameters",
+            )
         _check_schema(params, f"tools[{i}].function.parameters")
         names.add(name)
         funcs.append({"name": name, "description": f.get("description", ""), "parameters": params})
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         return funcs, tool_choice or "auto", None
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and \
-            isinstance(tool_choice.get("function"), dict):
+    if (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+    ):
         name = tool_choice["function"].get("name")
         if name not in names:
-            raise InvalidRequest(f"tool_choice names function {name!r}, which is not among the tools",
-                                 param="tool_choice")
+            raise InvalidRequest(
+                f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice"
+            )
         return funcs, "named", name
-    raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                         '{"name": ...}}', param="tool_choice")
+    raise InvalidRequest(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
 
 
 def _check_schema(schema: dict, where: str) -> None:
@@ -73,8 +85,9 @@ def _check_schema(schema: dict, where: str) -> None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
-        raise InvalidRequest(f"{where} is not a valid JSON schema: at {e.json_path}: {e.message}",
-                             param=where) from None
+        raise InvalidRequest(
+            f"{where} is not a valid JSON schema: at {e.json_path}: {e.message}", param=where
+        ) from None
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -104,8 +117,15 @@ def _resolves(schema: dict, ref: str) -> bool:
 
 def call_schema(funcs: list[dict]) -> dict:
     """One call of any of `funcs`: {"name": <that name>, "arguments": <its parameters>}."""
-    branches = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                 "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
+    branches = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in funcs
+    ]
     return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
@@ -129,8 +149,9 @@ def render_messages(messages: list[dict], funcs: list[dict], own_template: bool)
     out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f"{BEGIN}{json.dumps({'name': c['name'], 'arguments': c['arguments']})}{END}"
-                              for c in m["tool_calls"])
+            calls = "\n".join(
+                f"{BEGIN}{json.dumps({'name': c['name'], 'arguments': c['arguments']})}{END}" for c in m["tool_calls"]
+            )
             out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + calls).strip()})
         elif m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
@@ -138,9 +159,12 @@ def render_messages(messages: list[dict], funcs: list[dict], own_template: bool)
             out.append({"role": m["role"], "content": m.get("content") or ""})
     if funcs:
         listing = "\n".join(json.dumps({"type": "function", "function": f}) for f in funcs)
-        text = ("You can call functions. Their signatures are inside <tools></tools>:\n<tools>\n" + listing +
-                "\n</tools>\nTo call one, answer with a JSON object holding its name and arguments inside "
-                "<tool_call></tool_call> tags:\n" + BEGIN + '{"name": <function-name>, "arguments": <args-object>}' + END)
+        text = (
+            "You can call functions. Their signatures are inside <tools></tools>:\n<tools>\n"
+            + listing
+            + "\n</tools>\nTo call one, answer with a JSON object holding its name and arguments inside "
+            "<tool_call></tool_call> tags:\n" + BEGIN + '{"name": <function-name>, "arguments": <args-object>}' + END
+        )
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
         else:
@@ -168,8 +192,13 @@ def parse_tool_calls(text: str, funcs: list[dict]) -> tuple[str | None, list[dic
             obj = None
         if isinstance(obj, dict) and obj.get("name") in known and isinstance(obj.get("arguments", {}), dict):
             rest.append(text[pos:start])
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
+            calls.append(
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))},
+                }
+            )
         else:
             rest.append(text[pos : end + len(END.strip())])
         pos = end + len(END.strip())

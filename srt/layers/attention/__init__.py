@@ -1,4 +1,5 @@
 """Attention backends by name. The registry is the single source of `--attention-backend` choices."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,11 +27,15 @@ def _check_flashinfer(device_type: str, fi_dtype: bool, fi_heads: bool, head_dim
     if device_type != "cuda":
         raise ValueError(needs)
     if not fi_dtype:
-        raise ValueError(f"attention_backend flashinfer runs float16 and bfloat16, not {dtype}: use --dtype bfloat16 "
-                         "or --attention-backend triton")
+        raise ValueError(
+            f"attention_backend flashinfer runs float16 and bfloat16, not {dtype}: use --dtype bfloat16 "
+            "or --attention-backend triton"
+        )
     if not fi_heads:
-        raise ValueError(f"attention_backend flashinfer has kernels for head sizes {FLASHINFER_HEAD_DIMS}; this "
-                         f"model's is {head_dim}: use --attention-backend triton")
+        raise ValueError(
+            f"attention_backend flashinfer has kernels for head sizes {FLASHINFER_HEAD_DIMS}; this "
+            f"model's is {head_dim}: use --attention-backend triton"
+        )
     if not _importable("flashinfer"):
         raise ValueError(needs)
 
@@ -67,7 +72,15 @@ def create_backend(name: str, runner) -> "AttentionBackend":
         return TritonAttnBackend(cfg.num_kv_heads, runner.device, cfg.head_dim)
     from radixlm.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    return FlashInferAttnBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.dtype, runner.dtype,
-                                 runner.req_to_token_pool.req_to_token, runner.max_total_tokens,
-                                 runner.max_running_requests, runner.device,
-                                 prefill_backend=getattr(runner.server_args, "flashinfer_prefill_backend", "fa2"))
+    return FlashInferAttnBackend(
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        runner.dtype,
+        runner.dtype,
+        runner.req_to_token_pool.req_to_token,
+        runner.max_total_tokens,
+        runner.max_running_requests,
+        runner.device,
+        prefill_backend=getattr(runner.server_args, "flashinfer_prefill_backend", "fa2"),
+    )

@@ -3,6 +3,7 @@
 Contract: by the time a layer's attention runs, the batch's new K/V are already in the pool at
 `out_cache_loc` (the rope kernel stored them), so a backend only reads the pool.
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ in .cache/flashinfer, so a second start is quick. Each module is built by its ow
 building them all at once through FlashInfer's combined ninja file (build_jit_specs) made every later start
 rebuild them (each ninja log saw the other's outputs as stale: about a minute per process).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,9 +45,19 @@ class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     replay_reads_inputs = True  # the page table is built from the request rows and lengths on the device
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 req_to_token: torch.Tensor, max_total_tokens: int, max_running: int, device: torch.device,
-                 prefill_backend: str = "fa2"):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        req_to_token: torch.Tensor,
+        max_total_tokens: int,
+        max_running: int,
+        device: torch.device,
+        prefill_backend: str = "fa2",
+    ):
         import flashinfer
 
         self.fi = flashinfer
@@ -55,12 +66,14 @@ class FlashInferAttnBackend(AttentionBackend):
         self.device = device
         self.req_to_token = req_to_token
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                            use_tensor_cores=True)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True
+        )
         # Decode with tensor cores runs FA2's prefill module; "fa3"/"auto" (Hopper) adds FlashAttention-3's.
         self.prefill_backend = prefill_backend
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                              backend=prefill_backend)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend
+        )
         # Requests sharing a prefix each list its slots, so the page table can outgrow the pool.
         self.max_indices = max(4 * max_total_tokens, 1 << 22)
         self.kv_indices = torch.empty(self.max_indices, dtype=torch.int32, device=device)
@@ -76,8 +89,9 @@ class FlashInferAttnBackend(AttentionBackend):
         total = int(indptr[-1])
         if total > self.kv_indices.shape[0]:
             self.kv_indices = torch.empty(total * 2, dtype=torch.int32, device=self.device)
-        build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                         to_device(indptr, self.device), self.kv_indices)
+        build_kv_indices(
+            self.req_to_token, fb.req_pool_indices, fb.seq_lens, to_device(indptr, self.device), self.kv_indices
+        )
         return indptr, self.kv_indices[:total]
 
     def _before_plan(self) -> None:
@@ -94,8 +108,18 @@ class FlashInferAttnBackend(AttentionBackend):
     def _plan_decode(self, wrapper, fb: ForwardBatch) -> None:
         indptr, indices = self._page_table(fb)
         self._before_plan()
-        wrapper.plan(indptr, indices, self.ones[: fb.batch_size], self.h, self.kvh, self.d, 1,
-                     q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.d**-0.5)
+        wrapper.plan(
+            indptr,
+            indices,
+            self.ones[: fb.batch_size],
+            self.h,
+            self.kvh,
+            self.d,
+            1,
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
+            sm_scale=self.d**-0.5,
+        )
         self._after_plan()
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -105,9 +129,20 @@ class FlashInferAttnBackend(AttentionBackend):
             return
         indptr, indices = self._page_table(fb)
         self._before_plan()
-        self.prefill_wrapper.plan(_indptr(fb.extend_seq_lens_cpu), indptr, indices, self.ones[: fb.batch_size],
-                                  self.h, self.kvh, self.d, 1, causal=True, sm_scale=self.d**-0.5,
-                                  q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        self.prefill_wrapper.plan(
+            _indptr(fb.extend_seq_lens_cpu),
+            indptr,
+            indices,
+            self.ones[: fb.batch_size],
+            self.h,
+            self.kvh,
+            self.d,
+            1,
+            causal=True,
+            sm_scale=self.d**-0.5,
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
+        )
         self._after_plan()
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
@@ -129,10 +164,14 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata_capture(self, bs: int, fb: ForwardBatch) -> None:
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             paged_kv_indices_buffer=self.graph_indices,
-            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=self.device))
+            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=self.device),
+        )
         self.graph_wrappers[bs] = wrapper
         self._plan_decode(wrapper, fb)
         fb.attn_metadata = FlashInferMetadata(wrapper)
@@ -143,18 +182,42 @@ class FlashInferAttnBackend(AttentionBackend):
     # --- start-up ------------------------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile (or load from the cache) the kernels this backend runs, logging how long it took."""
-        logger.info("FlashInfer: building/loading attention kernels (first start on a machine compiles them, "
-                    "which takes minutes; the cache is kept under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)")
+        logger.info(
+            "FlashInfer: building/loading attention kernels (first start on a machine compiles them, "
+            "which takes minutes; the cache is kept under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)"
+        )
         start = time.perf_counter()
         q = torch.zeros(1, self.h, self.d, dtype=self.dtype, device=self.device)
         kv = torch.zeros(2, 2, self.kvh, self.d, dtype=self.kv_dtype, device=self.device)
         ind = torch.zeros(1, dtype=torch.int32, device=self.device)
         one = torch.tensor([0, 1], dtype=torch.int32)
-        self.decode_wrapper.plan(one, ind, self.ones[:1], self.h, self.kvh, self.d, 1, q_data_type=self.dtype,
-                                 kv_data_type=self.kv_dtype, sm_scale=self.d**-0.5)
+        self.decode_wrapper.plan(
+            one,
+            ind,
+            self.ones[:1],
+            self.h,
+            self.kvh,
+            self.d,
+            1,
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
+            sm_scale=self.d**-0.5,
+        )
         self.decode_wrapper.run(q, (kv[0], kv[1]))
-        self.prefill_wrapper.plan(one, one, ind, self.ones[:1], self.h, self.kvh, self.d, 1, causal=True,
-                                  sm_scale=self.d**-0.5, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        self.prefill_wrapper.plan(
+            one,
+            one,
+            ind,
+            self.ones[:1],
+            self.h,
+            self.kvh,
+            self.d,
+            1,
+            causal=True,
+            sm_scale=self.d**-0.5,
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
+        )
         self.prefill_wrapper.run(q, (kv[0], kv[1]))
         torch.cuda.synchronize(self.device)
         logger.info("FlashInfer kernels ready in %.1f s", time.perf_counter() - start)

@@ -5,6 +5,7 @@ call serves the whole batch (no Python loop over requests); masks carry causalit
 On CPU with an fp32 pool, decode runs our C kernel instead (kernels/cpu.py): it reads each request's own
 slots straight from the pool, with no gather copy and no padding.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ import torch.nn.functional as F
 from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
-
 
 _SCORE_BUDGET = 1 << 30  # bytes of attention scores one SDPA call may materialize
 
@@ -48,8 +48,9 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _c_decode(self, fb: ForwardBatch) -> bool:
         pool = fb.token_to_kv_pool
-        return (self.cpu_decode and fb.mode.is_decode and pool.dtype == torch.float32
-                and pool.k_buffer.shape[-1] % 16 == 0)
+        return (
+            self.cpu_decode and fb.mode.is_decode and pool.dtype == torch.float32 and pool.k_buffer.shape[-1] % 16 == 0
+        )
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if self._c_decode(fb):
@@ -101,9 +102,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         meta = fb.attn_metadata
         if isinstance(meta, CpuDecodeMetadata):
             pool = fb.token_to_kv_pool
-            return cpu_kernels.decode_attention(q.float(), pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
-                                                fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                                                fb.seq_lens, meta.max_len, layer.scaling)
+            return cpu_kernels.decode_attention(
+                q.float(),
+                pool.k_buffer[layer.layer_id],
+                pool.v_buffer[layer.layer_id],
+                fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices,
+                fb.seq_lens,
+                meta.max_len,
+                layer.scaling,
+            )
         keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta.kv_idx, q.dtype)
         out = self._sdpa(q[:, :, None, :], keys, values, meta.mask, layer)
         return out.reshape(q.shape[0], -1)
@@ -120,7 +128,15 @@ class TorchNativeAttnBackend(AttentionBackend):
             gqa = False
         b, h, nq, _ = q.shape
         rows = max(1, _SCORE_BUDGET // (b * h * keys.shape[2] * 4))
-        outs = [F.scaled_dot_product_attention(q[:, :, s:s + rows], keys, values, attn_mask=mask[:, :, s:s + rows],
-                                               scale=layer.scaling, enable_gqa=gqa)
-                for s in range(0, nq, rows)]
+        outs = [
+            F.scaled_dot_product_attention(
+                q[:, :, s : s + rows],
+                keys,
+                values,
+                attn_mask=mask[:, :, s : s + rows],
+                scale=layer.scaling,
+                enable_gqa=gqa,
+            )
+            for s in range(0, nq, rows)
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -4,6 +4,7 @@ Needs no compilation step beyond Triton's JIT; every launch reads only tensors, 
 batches and, through a fixed-size layout of their metadata (`ExtendLayout`), extend and mixed batches too.
 On CPU the same kernels run in Triton's interpreter (tests only: it is slow).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -12,8 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixlm.kernels.decode_attention import (decode_attention, decode_attention_rows, decode_num_splits,
-                                              rows_items_cap)
+from radixlm.kernels.decode_attention import decode_attention, decode_attention_rows, decode_num_splits, rows_items_cap
 from radixlm.kernels.extend_attention import extend_attention, extend_block_m, extend_blocks
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
@@ -91,11 +91,13 @@ class TritonAttnBackend(AttentionBackend):
             return
         lens = fb.extend_seq_lens_cpu
         singles = sum(1 for n in lens if n == 1)
-        layout = ExtendLayout(_even(singles), _even(len(lens) - singles),
-                              _even(sum(-(-n // self.block_m) for n in lens if n != 1)))
+        layout = ExtendLayout(
+            _even(singles), _even(len(lens) - singles), _even(sum(-(-n // self.block_m) for n in lens if n != 1))
+        )
         host = torch.empty(layout.size, dtype=torch.int64)
-        self.fill_extend(host.numpy(), layout, fb.extend_prefix_lens_cpu, lens, fb.req_pool_indices_cpu,
-                         fb.seq_lens_cpu)
+        self.fill_extend(
+            host.numpy(), layout, fb.extend_prefix_lens_cpu, lens, fb.req_pool_indices_cpu, fb.seq_lens_cpu
+        )
         fb.attn_metadata = self.extend_metadata(to_device(host, fb.extend_seq_lens.device), layout, rows=singles)
 
     # --- extend metadata in a fixed layout (eager batches and extend CUDA graphs) ----------------------------
@@ -121,17 +123,17 @@ class TritonAttnBackend(AttentionBackend):
         multi = [i for i, n in enumerate(extend_lens) if n != 1]
         starts = list(itertools.accumulate(extend_lens, initial=0))
         for sec, values in enumerate((starts, rows, seq_lens)):
-            arr[sec * s:sec * s + len(one)] = [values[i] for i in one]
+            arr[sec * s : sec * s + len(one)] = [values[i] for i in one]
         c = layout.ctl_at
-        arr[c:c + 2] = len(one), decode_num_splits(len(one), self.num_kv_heads, self.num_sms)
+        arr[c : c + 2] = len(one), decode_num_splits(len(one), self.num_kv_heads, self.num_sms)
         m = layout.multis_at
         for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
-            arr[m + sec * r:m + sec * r + len(multi)] = [values[i] for i in multi]
+            arr[m + sec * r : m + sec * r + len(multi)] = [values[i] for i in multi]
         reqs, blocks = extend_blocks([extend_lens[i] for i in multi], self.block_m)
         b = layout.blocks_at
-        arr[b:b + nb] = -1
-        arr[b:b + len(reqs)] = reqs
-        arr[b + nb:b + nb + len(blocks)] = blocks
+        arr[b : b + nb] = -1
+        arr[b : b + len(reqs)] = reqs
+        arr[b + nb : b + nb + len(blocks)] = blocks
 
     def extend_metadata(self, dev: torch.Tensor, layout: ExtendLayout, rows: int | None = None) -> TritonMetadata:
         """Metadata viewing `dev`, a device copy of an array `fill_extend` wrote in `layout`. `rows`: the layout
@@ -143,12 +145,15 @@ class TritonAttnBackend(AttentionBackend):
         md = TritonMetadata(padded=not exact)
         if s or not exact:
             c = layout.ctl_at
-            md.single = (dev[0:s], dev[s:2 * s], dev[2 * s:c], dev[c:c + 2])
-            md.single_items = (rows * decode_num_splits(rows, self.num_kv_heads, self.num_sms) if exact
-                               else rows_items_cap(s, self.num_kv_heads, self.num_sms))
+            md.single = (dev[0:s], dev[s : 2 * s], dev[2 * s : c], dev[c : c + 2])
+            md.single_items = (
+                rows * decode_num_splits(rows, self.num_kv_heads, self.num_sms)
+                if exact
+                else rows_items_cap(s, self.num_kv_heads, self.num_sms)
+            )
         if r or not exact:
             m, b = layout.multis_at, layout.blocks_at
-            md.multi = (*(dev[m + sec * r:m + (sec + 1) * r] for sec in range(4)), dev[b:b + 2 * nb].view(2, nb))
+            md.multi = (*(dev[m + sec * r : m + (sec + 1) * r] for sec in range(4)), dev[b : b + 2 * nb].view(2, nb))
         return md
 
     def init_forward_metadata_capture(self, bs: int, fb: ForwardBatch) -> None:
@@ -159,9 +164,16 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
-        out = decode_attention(q, pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id],
-                               fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                               layer.scaling, fb.attn_metadata.num_splits)
+        out = decode_attention(
+            q,
+            pool.k_buffer[layer.layer_id],
+            pool.v_buffer[layer.layer_id],
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            layer.scaling,
+            fb.attn_metadata.num_splits,
+        )
         return out.view(q.shape[0], -1)
 
     def forward_extend(self, q, layer, fb: ForwardBatch) -> torch.Tensor:

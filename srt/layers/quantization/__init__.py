@@ -9,6 +9,7 @@ gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit (gguf_int4.py) and
       through our C kernel, else (no C compiler, or an untied head) as two bf16 GEMMs (hi + lo parts); the
       rest is dequantized.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,8 @@ from torch import nn
 
 from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.basic import Linear
-from radixlm.srt.layers.quantization.gguf_q8 import Q8Linear
 from radixlm.srt.layers.quantization.gguf_int4 import Int4Linear, Q4Blocks, Q4DotLinear, SplitBf16Linear
+from radixlm.srt.layers.quantization.gguf_q8 import Q8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,10 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         linear = modules[module_name]
         fused = Q4Blocks.cat([parts[i] for i in range(count)])
         if tuple(fused.q.shape) != tuple(linear.weight.shape):
-            raise ValueError(f"GGUF tensor(s) {names[target]} give {tuple(fused.q.shape)}, "
-                             f"{target} expects {tuple(linear.weight.shape)}")
+            raise ValueError(
+                f"GGUF tensor(s) {names[target]} give {tuple(fused.q.shape)}, "
+                f"{target} expects {tuple(linear.weight.shape)}"
+            )
         linear.quant = q4_class.from_blocks(fused)
         packed_bytes += linear.quant.nbytes()
         # An empty placeholder: the fp32 copy would be most of the process's memory.
@@ -80,10 +83,15 @@ def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
         w = head.weight.detach()
         model.lm_head_quant = SplitBf16Linear.from_rows(lambda s, e: w[s:e], *w.shape)
         head.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)  # no longer read
-    logger.info("gguf quantization: %d linears kept in int4 (%s, %.1f MB), embedding %s, output projection %s",
-                len(prefilled) - (table is not None), f"our {cpu_kernels.q4_isa()} kernel" if q4_class is Q4DotLinear
-                else "torch's int4 op", packed_bytes / 1e6,
-                "Q8_0 rows" if table is not None else "dequantized",
-                "on the embedding's Q8_0 blocks" if isinstance(model.lm_head_quant, Q8Linear) else
-                f"in bf16 hi + lo ({model.lm_head_quant.nbytes() / 1e6:.1f} MB)" if model.lm_head_quant is not None
-                else "as its linear")
+    logger.info(
+        "gguf quantization: %d linears kept in int4 (%s, %.1f MB), embedding %s, output projection %s",
+        len(prefilled) - (table is not None),
+        f"our {cpu_kernels.q4_isa()} kernel" if q4_class is Q4DotLinear else "torch's int4 op",
+        packed_bytes / 1e6,
+        "Q8_0 rows" if table is not None else "dequantized",
+        "on the embedding's Q8_0 blocks"
+        if isinstance(model.lm_head_quant, Q8Linear)
+        else f"in bf16 hi + lo ({model.lm_head_quant.nbytes() / 1e6:.1f} MB)"
+        if model.lm_head_quant is not None
+        else "as its linear",
+    )

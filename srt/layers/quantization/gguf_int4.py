@@ -6,6 +6,7 @@ w = (q - 8) * scale + zero per group of 32, so both map exactly: scale = d, zero
 Only its bf16 path is vectorized (fp32 input falls back to scalar code ~30-100x slower), so `matmul` runs the
 product in bf16 and hands back the caller's dtype.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,7 +39,7 @@ class Q4Blocks:
             m = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
         else:
             m = -8 * d  # so that d * q + m is Q4_0's d * (q - 8)
-        qs = b[..., nbytes - 16:]
+        qs = b[..., nbytes - 16 :]
         # byte j holds element j in its low nibble and element j + 16 in its high nibble
         q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
         return cls(q, d, m)
@@ -145,16 +146,17 @@ class SplitBf16Linear:
     lo: torch.Tensor
 
     @classmethod
-    def from_rows(cls, rows: Callable[[int, int], torch.Tensor], n: int, k: int,
-                  chunk: int = 4096) -> "SplitBf16Linear":
+    def from_rows(
+        cls, rows: Callable[[int, int], torch.Tensor], n: int, k: int, chunk: int = 4096
+    ) -> "SplitBf16Linear":
         """From fp32 row ranges `rows(start, end)`, by chunks: a whole fp32 table and its temporaries would add
         several hundred MB to the load's peak."""
         hi = torch.empty(n, k, dtype=torch.bfloat16)
         lo = torch.empty(n, k, dtype=torch.bfloat16)
         for start in range(0, n, chunk):
             w = rows(start, min(start + chunk, n)).float()
-            hi[start:start + chunk] = w
-            lo[start:start + chunk] = w - hi[start:start + chunk].float()
+            hi[start : start + chunk] = w
+            lo[start : start + chunk] = w - hi[start : start + chunk].float()
         return cls(hi, lo)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 A lookup dequantizes only the rows it reads. fp16 d (11-bit mantissa) times int8 q fits fp32's 24 bits, so
 the rows are bit-identical to the dequantized fp32 table, at a quarter of its memory (30 MB, not 113 MB, for
 SmolLM2's 49152 x 576)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +42,6 @@ class Q8Rows:
 
     def nbytes(self) -> int:
         return self.q.nbytes + self.d.nbytes
-
 
 
 @dataclass

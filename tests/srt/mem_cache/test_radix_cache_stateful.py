@@ -3,6 +3,7 @@
 The reference maps every cached prefix (a tuple of tokens) to the KV slot of its last token, so "the longest
 cached prefix" is a dictionary lookup; the pool is real, and every slot must stay in exactly one place.
 """
+
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
