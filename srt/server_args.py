@@ -30,11 +30,14 @@ class ServerArgs:
     quantization: str = _opt(
         "auto",
         "auto: gguf for a GGUF file with Q4 linears on a CPU our Q4 kernel runs on "
-        "(AVX-512 BF16, or AVX2 with FMA and F16C), else none; none: weights dequantized to "
-        "--dtype; gguf: keep a GGUF file's Q4_0/Q4_1 linear weights 4-bit in memory (our "
-        "kernel, else torch's int4 op; CPU only)",
+        "(AVX-512 BF16, or AVX2 with FMA and F16C), fp8 for an FP8 checkpoint on a GPU with FP8 "
+        "tensor cores, else none; none: weights dequantized to --dtype; gguf: keep a GGUF file's "
+        "Q4_0/Q4_1 linear weights 4-bit in memory (our kernel, else torch's int4 op; CPU only); fp8: "
+        "every projection in e4m3, per-channel weight and per-token activation scales (quantized "
+        "at load from bf16 or random weights, or read from an FP8 checkpoint; CUDA, compute 8.9+)",
         QUANTIZATION_METHODS,
     )
+    fp8_lm_head: bool = _opt(False, "with --quantization fp8, the LM head in FP8 too (by default it stays bf16)")
     context_length: int | None = _opt(None, "override the model's maximum context length")
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP
@@ -152,6 +155,8 @@ class ServerArgs:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
         if self.max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.fp8_lm_head and self.quantization not in ("fp8", "auto"):
+            raise ValueError(f"fp8_lm_head needs --quantization fp8, not {self.quantization}")
         if self.stream_interval <= 0:
             raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
         if self.scheduler_cpus not in ("auto", "none"):

@@ -48,6 +48,7 @@ class Engine:
             served_model_name=args.served_model_name,
             load_format=args.load_format,
             quantization=args.quantization,
+            fp8_lm_head=args.fp8_lm_head,
         )
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, args)

@@ -3,6 +3,9 @@ Layers that compute through a kernel hold the runner's `KernelOps` set in `ops` 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -18,10 +21,25 @@ class QuantizedMatmul(Protocol):
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+_DEFERRED = contextvars.ContextVar("linear_weights_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred_linear_weights() -> Iterator[None]:
+    """Linears built inside get their weight on the meta device (a shape, no memory): the loader then gives each
+    one its real form (srt/layers/quantization/fp8_load.py), never holding the whole model in another."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        device = "meta" if _DEFERRED.get() else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.ops = TORCH_OPS
         # Set by the loader for quantized checkpoints; `weight` is then an empty placeholder.

@@ -108,7 +108,7 @@ def tune_skinny_linears(ops: KernelOps, model) -> list[str]:
 
     shapes: dict[tuple[int, int, bool], torch.Tensor] = {}
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.quant is None:
             fused = name.endswith("gate_up_proj")
             shapes.setdefault((*module.weight.shape, fused), module.weight)
     head = model.lm_head_weight

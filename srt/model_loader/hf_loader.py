@@ -10,6 +10,8 @@ import torch
 from tqdm import tqdm
 
 from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.layers.quantization.fp8 import dequantize_rows
+from radixlm.srt.model_loader.fp8_checkpoint import fp8_format, fp8_tensors
 from radixlm.srt.model_loader.model_config import ModelConfig
 
 
@@ -25,6 +27,7 @@ class HFCheckpoint:
             raise ModelLoadError(f"{config_file} is not valid JSON: {e}", param="model_path") from e
         self.raw_config = raw
         self.config = ModelConfig.from_hf(raw)
+        self.fp8 = fp8_format(raw)  # an FP8 checkpoint's format, else None
         gen_cfg = self.path / "generation_config.json"
         if gen_cfg.is_file():  # e.g. Llama 3 lists several end-of-turn ids here
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
@@ -51,15 +54,24 @@ class HFCheckpoint:
             raise ModelLoadError(f"no *.safetensors weights in {self.path}{hint}", param="model_path")
         return files
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
+        """Every tensor as stored; in an FP8 checkpoint each e4m3 weight paired with its per-channel scales."""
+        if self.fp8 is not None:
+            yield from fp8_tensors(self.files, self.fp8)
+            return
         from safetensors import safe_open  # noqa: PLC0415
 
         with tqdm(total=len(self.files), desc="Loading safetensors", unit="file", leave=False) as bar:
             for file in self.files:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name).to(dtype)
+                        yield name, f.get_tensor(name)
                 bar.update(1)
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in `dtype` (FP8 weights dequantized with their scales)."""
+        for name, t in self.tensors():
+            yield name, (dequantize_rows(*t) if isinstance(t, tuple) else t).to(dtype)
 
     def load_tokenizer(self, tokenizer_path: str | None = None):
         return load_tokenizer(tokenizer_path or str(self.path))

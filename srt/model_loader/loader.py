@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -14,7 +15,8 @@ import torch
 
 from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.errors import ModelLoadError
-from radixlm.srt.layers.quantization import QUANTIZATION_METHODS, load_gguf_quantized
+from radixlm.srt.layers.basic import deferred_linear_weights
+from radixlm.srt.layers.quantization import QUANTIZATION_METHODS, fp8, fp8_load, load_gguf_quantized
 from radixlm.srt.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
 from radixlm.srt.model_loader.hf_loader import HFCheckpoint, load_tokenizer
@@ -116,6 +118,7 @@ def load_model(
     served_model_name: str | None = None,
     load_format: str = "auto",
     quantization: str = "auto",
+    fp8_lm_head: bool = False,
 ) -> LoadedModel:
     start = time.perf_counter()
     ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
@@ -129,15 +132,23 @@ def load_model(
     dev = resolve_device(device)
     run_dtype = resolve_dtype(dtype, config, dev)
     quantization = resolve_quantization(quantization, ckpt, dev, load_format)
+    if fp8_lm_head and quantization != "fp8":
+        raise ModelLoadError(
+            f"fp8_lm_head needs --quantization fp8 (this load resolved to {quantization})", param="fp8_lm_head"
+        )
+    fp8 = quantization == "fp8"
     model_cls = MODEL_REGISTRY[config.architecture]
     old_default = torch.get_default_dtype()
     torch.set_default_dtype(run_dtype)
     try:
-        with torch.device(dev):
+        # FP8: the projections get memory only in their e4m3 form, as they are filled (fp8_load.py)
+        with torch.device(dev), deferred_linear_weights() if fp8 else contextlib.nullcontext():
             model = model_cls(config)
     finally:
         torch.set_default_dtype(old_default)
-    if load_format == "dummy":
+    if fp8:
+        _load_fp8(model, ckpt, config, run_dtype, dev, load_format, fp8_lm_head)
+    elif load_format == "dummy":
         _random_weights(model)
     elif quantization == "gguf":
         load_gguf_quantized(model, ckpt, run_dtype)
@@ -171,6 +182,21 @@ def load_model(
     )
 
 
+def _load_fp8(model, ckpt, config, dtype: torch.dtype, device: torch.device, load_format: str, head: bool) -> None:
+    skip = ckpt.fp8.skip if isinstance(ckpt, HFCheckpoint) and ckpt.fp8 is not None else frozenset()
+    quantized = fp8_load.fp8_linears(model, head=head and not config.tie_word_embeddings, skip=skip)
+    fp8_load.materialize_others(model, quantized, dtype, device)
+    if load_format == "dummy":
+        gen = torch.Generator(device=device).manual_seed(0)
+        fp8_load.random_fp8(model, quantized, dtype, device, gen)
+        _random_weights(model)
+    else:
+        fp8_load.load_fp8(model, ckpt.tensors(), quantized, dtype, device)
+    if head and config.tie_word_embeddings:
+        fp8_load.fp8_tied_head(model)
+    logger.info(fp8_load.summary(model))
+
+
 def _trim_heap() -> None:
     """glibc keeps the freed temporaries of loading (dequantized arrays, packing buffers) in its heap; hand them
     back, so that the process's resident memory is what the model holds (~140 MB for the quantized SmolLM2)."""
@@ -186,6 +212,22 @@ def resolve_quantization(quantization: str, ckpt, device: torch.device, load_for
     memory); elsewhere it dequantizes. gguf asks for the packed weights anywhere on a CPU: torch's int4 op runs
     them where our kernels do not (no faster than fp32 there)."""
     is_gguf = isinstance(ckpt, GGUFCheckpoint) and load_format != "dummy"
+    fp8_ckpt = isinstance(ckpt, HFCheckpoint) and ckpt.fp8 is not None and load_format != "dummy"
+    if quantization == "fp8":
+        why = fp8.fp8_supported(device)
+        if why is not None:
+            raise ModelLoadError(why, param="quantization")
+        if is_gguf:
+            raise ModelLoadError(
+                "quantization=fp8 reads a Hugging Face checkpoint (bf16 or FP8) or random weights, not a GGUF file",
+                param="quantization",
+            )
+        return "fp8"
+    if quantization == "auto" and fp8_ckpt:
+        if fp8.fp8_supported(device) is None:
+            return "fp8"
+        logger.info("FP8 checkpoint on %s: its weights are dequantized to the run dtype", device)
+        return "none"
     if quantization == "auto":
         fast = device.type == "cpu" and is_gguf and ckpt.has_q4_weights() and cpu_kernels.q4_available()
         return "gguf" if fast else "none"

@@ -195,6 +195,11 @@ class LlamaForCausalLM(nn.Module):
         n = cfg.intermediate_size
         return (shard * n, (shard + 1) * n)
 
+    def shard_rows(self, target: str, shard: int) -> tuple[int, int]:
+        """The rows of fused parameter `target` (e.g. model.layers.0.self_attn.qkv_proj.weight) that its checkpoint
+        shard `shard` fills."""
+        return self._shard_bounds(target.split(".")[-2], shard)
+
     def checkpoint_target(self, name: str) -> tuple[str, int | None, int]:
         """Where a checkpoint tensor goes: (our parameter name, shard index or None, shards of that parameter)."""
         for part, (fused, shard) in self._STACKED.items():

@@ -57,6 +57,7 @@ def run_scheduler_process(
             served_model_name=args.served_model_name,
             load_format=args.load_format,
             quantization=args.quantization,
+            fp8_lm_head=args.fp8_lm_head,
         )
         runner = ModelRunner(loaded, args)
         if runner.device.type == "cuda" and not env.OMP_NUM_THREADS.is_set():

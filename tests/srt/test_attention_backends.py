@@ -61,7 +61,10 @@ def test_triton_backend_generates_what_torch_native_does(tiny_dirs, arch):
         dtype="float32",
     )  # as _triton_engine (CUDA: bf16)
     expected = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=GREEDY)]
-    for kw in ({}, {"force_overlap_schedule": True, "enable_mixed_chunk": True, "chunked_prefill_size": 8}):
+    configs = [{"force_overlap_schedule": True, "enable_mixed_chunk": True, "chunked_prefill_size": 8}]
+    if arch == "llama":  # the plain schedule once (the kernels run 16x slower in Triton's interpreter on CPU)
+        configs.insert(0, {})
+    for kw in configs:
         engine = _triton_engine(tiny_dirs[arch], **kw)
         got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
         assert got == expected, kw

@@ -125,7 +125,7 @@ def _attach_whole(engine) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama"])  # the other architectures' forwards: test_whole_extend_graph_matches_eager
 def test_whole_extend_graph_generates_what_eager_does(tiny_dirs, arch):
     expected, got, sizes, engine = generate_through_runner(lambda **kw: _engine(tiny_dirs[arch], **kw), _attach_whole)
     assert got == expected

@@ -3,6 +3,10 @@
 auto: gguf for a GGUF checkpoint with Q4 linears on a CPU our Q4 kernel runs on (AVX-512 BF16, or AVX2 with
       FMA and F16C), else none.
 none: every weight dequantized to the run dtype (the reference path).
+fp8:  every projection in e4m3 with per-channel weight scales and per-token activation scales (fp8.py), from a
+      bf16 checkpoint or random weights (quantized at load) or an FP8 checkpoint (compressed-tensors, HF fp8);
+      CUDA with FP8 tensor cores. auto picks it for an FP8 checkpoint there (elsewhere such a checkpoint is
+      dequantized to the run dtype).
 gguf: a GGUF checkpoint's Q4_0/Q4_1 linear weights stay 4-bit (gguf_int4.py) and run through our C kernel
       on AVX-512 BF16 or AVX2 (kernels/cpu_kernels.c), else torch's int4 CPU matmul; a Q8_0 embedding keeps its
       8-bit blocks and dequantizes the rows it looks up (gguf_q8.py); a head tied to it runs on those blocks
@@ -24,7 +28,7 @@ from radixlm.srt.layers.quantization.gguf_q8 import Q8Linear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf")
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "fp8")
 
 
 def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:

@@ -1,0 +1,125 @@
+"""FP8 (e4m3) linears: W8A8 with a scale per output channel for the weight and one per token for the activation.
+
+y = (x_q * s_x) @ (W_q * s_w).T, computed by `torch._scaled_mm` with both scales applied to the fp32 accumulator
+(cuBLASLt on Hopper: twice bf16's tensor-core rate and half its weight bytes). The weight's scales are fixed at
+load time (online from a bf16 checkpoint or random weights, or read from an FP8 checkpoint); the activation's are
+computed per token from the data at every call, so nothing needs calibration. A scale is amax / 448 (e4m3's
+largest finite value), so every value maps into range and the largest lands on it.
+
+FP8 checkpoints as users download them:
+- compressed-tensors (`quant_method: compressed-tensors`, RedHatAI/neuralmagic FP8 models): `weight` in e4m3 and
+  `weight_scale` per output channel ([N, 1]) or per tensor ([1]);
+- Hugging Face's `fp8` method with block scales (`weight_block_size` [128, 128]): `weight` in e4m3 and
+  `weight_scale_inv` per 128 x 128 block, the factor that multiplies the stored values back. Blocks are folded
+  into per-channel scales at load: each block is dequantized and every row requantized with its own scale (an
+  extra rounding of at most half an e4m3 step, measured in tests/srt/test_fp8.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+_MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale (its values stay zero)
+
+
+def fp8_supported(device: torch.device) -> str | None:
+    """Why FP8 linears cannot run on `device`, or None when they can (tensor cores with FP8: compute 8.9+)."""
+    if device.type != "cuda":
+        return f"--quantization fp8 runs on CUDA GPUs with FP8 tensor cores (Ada or Hopper), not on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return f"--quantization fp8 needs FP8 tensor cores (compute capability 8.9+); {name} is {major}.{minor}"
+    if not hasattr(torch, "_scaled_mm"):
+        return "--quantization fp8 needs torch._scaled_mm (torch 2.5 or newer)"
+    return None
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float32 scales [N]) with w ~ q * scale[:, None]."""
+    amax = w.detach().abs().amax(dim=1).float()
+    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): one scale per token, from the data."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().reshape(-1, 1)
+
+
+def fold_block_scales(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled e4m3 weight (HF `fp8`: `weight_scale_inv` [ceil(N/bn), ceil(K/bk)]) as per-channel e4m3."""
+    n, k = q.shape
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"block scales of shape {tuple(scale_inv.shape)} for a {n}x{k} weight in {bn}x{bk} blocks (expected {want})"
+        )
+    full = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return quantize_rows(q.float() * full)
+
+
+def channel_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """A checkpoint's weight scale as one float32 per output channel: [N, 1] or [N] per channel, [1] or a scalar
+    per tensor; any other shape is an error naming the tensor."""
+    s = scale.float()
+    if s.numel() == 1:
+        return s.reshape(1).expand(rows).contiguous()
+    if s.numel() == rows and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):
+        return s.reshape(rows).contiguous()
+    raise ValueError(
+        f"{name}: a weight scale of shape {tuple(s.shape)} fits neither per-tensor nor per-channel "
+        f"scaling of {rows} output channels"
+    )
+
+
+@dataclass(eq=False)
+class Fp8Linear:
+    """x @ W.T with W in e4m3 (row-major [N, K]) and a float32 scale per output row; x's dtype out."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor  # [N]
+
+    def __post_init__(self) -> None:
+        n, k = self.weight.shape
+        if self.weight.dtype != FP8:
+            raise ValueError(f"an FP8 linear's weight must be {FP8}, got {self.weight.dtype}")
+        if k % 16 or n % 16:
+            raise ValueError(f"FP8 GEMMs need both weight dimensions divisible by 16, got {n}x{k}")
+        self.scale = self.scale.float().reshape(1, n).contiguous()
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor) -> Fp8Linear:
+        return cls(*quantize_rows(w))
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        xq, xs = quantize_tokens(x.reshape(-1, k))
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        # scale_b [1, N] with scale_a [M, 1]: cuBLASLt's row-wise scaling, applied to the fp32 accumulator
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out_dtype)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + 4 * self.scale.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_rows(self.weight, self.scale)
