@@ -50,6 +50,7 @@ def _load_x(rows, k0, K, rk, m_mask, EVEN_K: tl.constexpr):
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     out_ptr,
     M,
@@ -59,6 +60,7 @@ def _gemv_kernel(
     stride_wn,
     stride_om,
     up_offset,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -100,10 +102,14 @@ def _gemv_kernel(
         gdc_launch_dependents()
     y = tl.sum(acc, axis=2)
     out_ty = out_ptr.dtype.element_ty
+    if HAS_SCALE:  # FP8 weights: one scale per output row, applied once to the row's sum
+        y *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
         up = tl.sum(acc_up, axis=2)
+        if HAS_SCALE:
+            up *= tl.load(s_ptr + up_offset + rn, mask=n_mask, other=0.0)[None, :]
         if HAS_BIAS:
             up += tl.load(b_ptr + up_offset + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         # Round as the unfused path does: projection to the activation dtype, silu to it, then the product.
@@ -137,7 +143,8 @@ def _block_m(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
 
-def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.Tensor:
+def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int], scale=None) -> torch.Tensor:
+    """`scale`: w is FP8 (e4m3) with one float32 scale per row; x then stays in its own dtype (W8A16)."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     if silu_mul:
@@ -150,6 +157,7 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.T
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         w,
+        scale if scale is not None else w,
         bias if bias is not None else w,
         out,
         m,
@@ -159,6 +167,7 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.T
         w.stride(0),
         out.stride(0),
         n,
+        HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0,
@@ -172,64 +181,98 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.T
 
 
 def gemv(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 8), w [N, K] contiguous rows -> [M, N]."""
+    """x [M, K] (M <= 8), w [N, K] contiguous rows (with `scale` [N]: e4m3 rows times their scale) -> [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1
-    return _launch(x, w, bias, False, config or CONFIGS[_block_m(x.shape[0])][0])
+    return _launch(x, w, bias, False, config or CONFIGS[_block_m(x.shape[0])][0], scale)
 
 
 def gemv_silu_mul(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= 8), w [2N, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1 and w.shape[0] % 2 == 0
-    return _launch(x, w, bias, True, config or CONFIGS[_block_m(x.shape[0])][0])
+    return _launch(x, w, bias, True, config or CONFIGS[_block_m(x.shape[0])][0], scale)
+
+
+def scaled_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The large-batch FP8 path (W8A8: x quantized per token, cuBLASLt's row-wise scaled GEMM), `x`'s dtype out."""
+    from radixlm.kernels.fp8_quant import quantize_tokens  # noqa: PLC0415
+
+    xq, xs = quantize_tokens(x)
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.reshape(1, -1), out_dtype=x.dtype)
 
 
 class GemvTuner:
-    """Per (N, K, fused, M bucket): the fastest of cuBLAS (None) and the kernel's configs, timed on this GPU."""
+    """Per (N, K, fused, M bucket, FP8 weight): the fastest of the library path (None: cuBLAS; for FP8 weights
+    the scaled GEMM) and the kernel's configs, timed on this GPU."""
 
     def __init__(self):
-        self.choice: dict[tuple[int, int, bool, int], tuple[int, int, int] | None] = {}
+        self.choice: dict[tuple[int, int, bool, int, bool], tuple[int, int, int] | None] = {}
         self.report: list[str] = []
 
     def lookup(self, m: int, w: torch.Tensor, silu_mul: bool) -> tuple[int, int, int] | None:
         if m > MAX_M or m == 0:
             return None
-        return self.choice.get((w.shape[0], w.shape[1], silu_mul, _block_m(m)))
+        return self.choice.get((w.shape[0], w.shape[1], silu_mul, _block_m(m), w.element_size() == 1))
 
-    def tune(self, weights: list[tuple[torch.Tensor, bool]]) -> list[str]:
-        """weights: one (weight, fused with silu_mul) per distinct shape. Returns a line per decision."""
+    def tune(self, weights: list[tuple[torch.Tensor, bool, torch.Tensor | None]]) -> list[str]:
+        """weights: one (weight, fused with silu_mul, per-row scale of an FP8 weight or None) per distinct shape.
+        Returns a line per decision."""
         lines = []
-        for w, fused in weights:
+        for w, fused, scale in weights:
             # Distinct copies of the weight, together 4x the L2 cache, so that each timed call streams its
             # weights from HBM as it does inside a real step (where the other layers evicted them).
             l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
             copies = [w] + [w.clone() for _ in range(min(7, -(-4 * l2 // (w.numel() * w.element_size())) - 1))]
+            fp8 = scale is not None
+            dtype = torch.bfloat16 if fp8 else w.dtype
+            exact = (w.float() * scale.reshape(-1, 1)).to(dtype) if fp8 else w
+            if fp8:
+                library = (
+                    (lambda x, c: _silu_mul(scaled_mm_ref(x, c, scale)))
+                    if fused
+                    else (lambda x, c: scaled_mm_ref(x, c, scale))
+                )
+            else:
+                library = gemv_silu_mul_ref if fused else gemv_ref
             ref = gemv_silu_mul_ref if fused else gemv_ref
             for bm in CONFIGS:
-                key = (w.shape[0], w.shape[1], fused, bm)
+                key = (w.shape[0], w.shape[1], fused, bm, fp8)
                 if key in self.choice:
                     continue
-                x = torch.randn(bm, w.shape[1], dtype=w.dtype, device=w.device)
-                base = _time_calls([lambda c=c: ref(x, c) for c in copies])
+                x = torch.randn(bm, w.shape[1], dtype=dtype, device=w.device)
+                base = _time_calls([lambda c=c: library(x, c) for c in copies])
                 best, best_t = None, base
                 for cfg in CONFIGS[bm]:
-                    if _rel_err(_launch(x, w, None, fused, cfg), ref(x, w)) > 2e-2:  # never pick a wrong one
+                    if _rel_err(_launch(x, w, None, fused, cfg, scale), ref(x, exact)) > 2e-2:  # never a wrong one
                         continue
-                    t = _time_calls([lambda c=c, cfg=cfg: _launch(x, c, None, fused, cfg) for c in copies])
+                    t = _time_calls([lambda c=c, cfg=cfg: _launch(x, c, None, fused, cfg, scale) for c in copies])
                     if t < best_t:
                         best, best_t = cfg, t
                 self.choice[key] = best
+                lib = "scaled GEMM" if fp8 else "cuBLAS"
                 lines.append(
-                    f"N={w.shape[0]} K={w.shape[1]} {'gate_up+silu ' if fused else ''}M<={bm}: "
-                    f"cuBLAS {base * 1e3:.1f} us, best {'cuBLAS' if best is None else best} "
-                    f"{best_t * 1e3:.1f} us"
+                    f"N={w.shape[0]} K={w.shape[1]} {'fp8 ' if fp8 else ''}{'gate_up+silu ' if fused else ''}"
+                    f"M<={bm}: {lib} {base * 1e3:.1f} us, best {lib if best is None else best} {best_t * 1e3:.1f} us"
                 )
             del copies
         self.report += lines
         return lines
+
+
+def _silu_mul(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -28,6 +28,9 @@ class KernelOps:
     linear: Callable[..., torch.Tensor] = F.linear
     # (x, gate_up weight, bias) -> silu(gate) * up of the fused projection
     gate_up_silu: Callable[..., torch.Tensor] = lambda x, w, b: silu_and_mul_ref(F.linear(x, w, b))
+    # (x, Fp8Linear) -> x @ W.T, and the fused gate_up + silu of an FP8 gate_up projection
+    fp8_linear: Callable[..., torch.Tensor] = lambda x, q: q.matmul(x)
+    fp8_gate_up_silu: Callable[..., torch.Tensor] = lambda x, q: silu_and_mul_ref(q.matmul(x))
     # Times the skinny-matmul kernels against cuBLAS for the model's shapes (CUDA sets only).
     tuner: object | None = None
 
@@ -50,7 +53,17 @@ def _skinny_linears(silu_and_mul: Callable):
         cfg = tuner.lookup(x.shape[0], w, True) if x.dim() == 2 else None
         return silu_and_mul(F.linear(x, w, b)) if cfg is None else gemv_silu_mul(x, w, b, cfg)
 
-    return linear, gate_up_silu, tuner
+    # FP8 weights: the GEMV reads them in e4m3 and keeps x as it is (W8A16) where it measured faster than
+    # quantizing x and running the scaled GEMM (W8A8)
+    def fp8_linear(x, q):
+        cfg = tuner.lookup(x.shape[0], q.weight, False) if x.dim() == 2 else None
+        return q.matmul(x) if cfg is None else gemv(x, q.weight, None, cfg, q.scale)
+
+    def fp8_gate_up_silu(x, q):
+        cfg = tuner.lookup(x.shape[0], q.weight, True) if x.dim() == 2 else None
+        return silu_and_mul(q.matmul(x)) if cfg is None else gemv_silu_mul(x, q.weight, None, cfg, q.scale)
+
+    return linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner
 
 
 def triton_ops() -> KernelOps:
@@ -58,8 +71,19 @@ def triton_ops() -> KernelOps:
     from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm
     from radixlm.kernels.rope import rope_and_store
 
-    linear, gate_up_silu, tuner = _skinny_linears(silu_and_mul)
-    return KernelOps("triton", rmsnorm, fused_add_rmsnorm_, silu_and_mul, rope_and_store, linear, gate_up_silu, tuner)
+    linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner = _skinny_linears(silu_and_mul)
+    return KernelOps(
+        "triton",
+        rmsnorm,
+        fused_add_rmsnorm_,
+        silu_and_mul,
+        rope_and_store,
+        linear,
+        gate_up_silu,
+        fp8_linear,
+        fp8_gate_up_silu,
+        tuner,
+    )
 
 
 def flashinfer_ops() -> KernelOps:
@@ -73,7 +97,7 @@ def flashinfer_ops() -> KernelOps:
         flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 
-    linear, gate_up_silu, tuner = _skinny_linears(flashinfer.activation.silu_and_mul)
+    linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner = _skinny_linears(flashinfer.activation.silu_and_mul)
     return KernelOps(
         "flashinfer",
         lambda x, w, eps: flashinfer.norm.rmsnorm(x, w, eps),
@@ -82,6 +106,8 @@ def flashinfer_ops() -> KernelOps:
         rope_and_store,
         linear,
         gate_up_silu,
+        fp8_linear,
+        fp8_gate_up_silu,
         tuner,
     )
 
@@ -105,12 +131,19 @@ def tune_skinny_linears(ops: KernelOps, model) -> list[str]:
     if ops.tuner is None:
         return []
     from radixlm.srt.layers.basic import Linear
+    from radixlm.srt.layers.quantization.fp8 import Fp8Linear
 
-    shapes: dict[tuple[int, int, bool], torch.Tensor] = {}
+    shapes: dict[tuple[int, int, bool, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.quant is None:
-            fused = name.endswith("gate_up_proj")
-            shapes.setdefault((*module.weight.shape, fused), module.weight)
+        if not isinstance(module, Linear):
+            continue
+        fused = name.endswith("gate_up_proj")
+        if isinstance(module.quant, Fp8Linear):
+            w = module.quant.weight
+            shapes.setdefault((*w.shape, fused, True), (w, module.quant.scale.reshape(-1)))
+        elif module.quant is None and module.weight.numel():
+            shapes.setdefault((*module.weight.shape, fused, False), (module.weight, None))
     head = model.lm_head_weight
-    shapes.setdefault((*head.shape, False), head)
-    return ops.tuner.tune([(w, key[2]) for key, w in shapes.items()])
+    if getattr(model, "lm_head_quant", None) is None and head.numel():
+        shapes.setdefault((*head.shape, False, False), (head, None))
+    return ops.tuner.tune([(w, key[2], scale) for key, (w, scale) in shapes.items()])

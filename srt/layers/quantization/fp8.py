@@ -93,6 +93,7 @@ class Fp8Linear:
 
     weight: torch.Tensor
     scale: torch.Tensor  # [N]
+    scaled = True  # e4m3 weight with per-row scales: the op set may run it through its own kernels
 
     def __post_init__(self) -> None:
         n, k = self.weight.shape
@@ -112,7 +113,12 @@ class Fp8Linear:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
-        xq, xs = quantize_tokens(x.reshape(-1, k))
+        if x.is_cuda:
+            from radixlm.kernels.fp8_quant import quantize_tokens as fused  # noqa: PLC0415
+
+            xq, xs = fused(x.reshape(-1, k))
+        else:
+            xq, xs = quantize_tokens(x.reshape(-1, k))
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
         # scale_b [1, N] with scale_a [M, 1]: cuBLASLt's row-wise scaling, applied to the fp32 accumulator
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out_dtype)
