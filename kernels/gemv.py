@@ -139,6 +139,15 @@ CONFIGS: dict[int, list[tuple[int, int, int]]] = {
 }
 
 
+# e4m3 weights are one byte: wider K tiles give each thread the 16-byte loads bf16 tiles half as wide do
+CONFIGS_FP8: dict[int, list[tuple[int, int, int]]] = {
+    1: [(4, 1024, 4), (2, 2048, 4), (8, 512, 4), (4, 2048, 8), (8, 1024, 8), (1, 4096, 4), (16, 512, 8)],
+    2: [(8, 512, 4), (4, 1024, 4), (8, 256, 4)],
+    4: [(8, 256, 4), (4, 512, 4), (4, 256, 4)],
+    8: [(4, 256, 4), (8, 128, 4), (2, 512, 4)],
+}
+
+
 def _block_m(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
@@ -253,7 +262,7 @@ class GemvTuner:
                 x = torch.randn(bm, w.shape[1], dtype=dtype, device=w.device)
                 base = _time_calls([lambda c=c: library(x, c) for c in copies])
                 best, best_t = None, base
-                for cfg in CONFIGS[bm]:
+                for cfg in (CONFIGS_FP8 if fp8 else CONFIGS)[bm]:
                     if _rel_err(_launch(x, w, None, fused, cfg, scale), ref(x, exact)) > 2e-2:  # never a wrong one
                         continue
                     t = _time_calls([lambda c=c, cfg=cfg: _launch(x, c, None, fused, cfg, scale) for c in copies])

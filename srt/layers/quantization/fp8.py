@@ -39,11 +39,16 @@ def fp8_supported(device: torch.device) -> str | None:
     return None
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (e4m3 [N, K], float32 scales [N]) with w ~ q * scale[:, None]."""
-    amax = w.detach().abs().amax(dim=1).float()
-    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
-    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+def quantize_rows(w: torch.Tensor, rows_per_pass: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float32 scales [N]) with w ~ q * scale[:, None]. A few thousand rows at a time:
+    the float32 temporaries of a 70B model's gate_up projection whole would be 1.9 GB."""
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for lo in range(0, w.shape[0], rows_per_pass):
+        part = w[lo : lo + rows_per_pass].detach()
+        s = (part.abs().amax(dim=1).float() / FP8_MAX).clamp_min(_MIN_SCALE)
+        q[lo : lo + rows_per_pass] = (part.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[lo : lo + rows_per_pass] = s
     return q, scale
 
 
