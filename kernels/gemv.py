@@ -223,20 +223,33 @@ def scaled_mm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torc
 
 class GemvTuner:
     """Per (N, K, fused, M bucket, FP8 weight): the fastest of the library path (None: cuBLAS; for FP8 weights
-    the scaled GEMM) and the kernel's configs, timed on this GPU."""
+    the scaled GEMM), this module's GEMV configs and, for FP8 weights, the tensor-core kernel's configs
+    (`fp8_mm.py`, up to batch 128), timed on this GPU. A pick is ("gemv" | "mma", config)."""
 
     def __init__(self):
-        self.choice: dict[tuple[int, int, bool, int, bool], tuple[int, int, int] | None] = {}
+        self.choice: dict[tuple[int, int, bool, int, bool], tuple[str, tuple] | None] = {}
         self.report: list[str] = []
 
-    def lookup(self, m: int, w: torch.Tensor, silu_mul: bool) -> tuple[int, int, int] | None:
-        if m > MAX_M or m == 0:
+    @staticmethod
+    def bucket(m: int, fp8: bool) -> int | None:
+        from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
+
+        if m == 0 or m > (128 if fp8 else MAX_M):
             return None
-        return self.choice.get((w.shape[0], w.shape[1], silu_mul, _block_m(m), w.element_size() == 1))
+        return _block_m(m) if m <= MAX_M else mma_bucket(m)
+
+    def lookup(self, m: int, w: torch.Tensor, silu_mul: bool) -> tuple[str, tuple] | None:
+        fp8 = w.element_size() == 1
+        b = self.bucket(m, fp8)
+        return None if b is None else self.choice.get((w.shape[0], w.shape[1], silu_mul, b, fp8))
 
     def tune(self, weights: list[tuple[torch.Tensor, bool, torch.Tensor | None]]) -> list[str]:
         """weights: one (weight, fused with silu_mul, per-row scale of an FP8 weight or None) per distinct shape.
         Returns a line per decision."""
+        from radixlm.kernels.fp8_mm import CONFIGS as MMA_CONFIGS  # noqa: PLC0415
+        from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
+        from radixlm.kernels.fp8_mm import fp8_mm  # noqa: PLC0415
+
         lines = []
         for w, fused, scale in weights:
             # Distinct copies of the weight, together 4x the L2 cache, so that each timed call streams its
@@ -255,19 +268,35 @@ class GemvTuner:
             else:
                 library = gemv_silu_mul_ref if fused else gemv_ref
             ref = gemv_silu_mul_ref if fused else gemv_ref
-            for bm in CONFIGS:
+            candidates = {
+                "gemv": lambda x, c, cfg: _launch(x, c, None, fused, cfg, scale),
+                "mma": lambda x, c, cfg: fp8_mm(x, c, scale, None, cfg, fused),
+            }
+            for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ())):
                 key = (w.shape[0], w.shape[1], fused, bm, fp8)
                 if key in self.choice:
                     continue
                 x = torch.randn(bm, w.shape[1], dtype=dtype, device=w.device)
                 base = _time_calls([lambda c=c: library(x, c) for c in copies])
                 best, best_t = None, base
-                for cfg in (CONFIGS_FP8 if fp8 else CONFIGS)[bm]:
-                    if _rel_err(_launch(x, w, None, fused, cfg, scale), ref(x, exact)) > 2e-2:  # never a wrong one
+                tries = [("gemv", cfg) for cfg in (CONFIGS_FP8 if fp8 else CONFIGS).get(bm, ())]
+                if fp8:
+                    tries += [("mma", cfg) for cfg in MMA_CONFIGS[mma_bucket(bm)]]
+                # W8A8 kernels are checked against the scaled GEMM (the same arithmetic: x rounded to e4m3 costs
+                # a few percent against the exact product), W8A16 and bf16 ones against the exact product
+                expect = {"gemv": ref(x, exact), "mma": library(x, w) if fp8 else None}
+                for kind, cfg in tries:
+                    run = candidates[kind]
+                    try:
+                        err = _rel_err(run(x, w, cfg), expect[kind])
+                    except Exception as e:  # noqa: BLE001 - a config this GPU or compiler cannot build
+                        logger.debug("skinny matmul %s %s failed: %s", kind, cfg, e)
                         continue
-                    t = _time_calls([lambda c=c, cfg=cfg: _launch(x, c, None, fused, cfg, scale) for c in copies])
+                    if err > 2e-2:  # never a wrong one
+                        continue
+                    t = _time_calls([lambda c=c, cfg=cfg, run=run: run(x, c, cfg) for c in copies])
                     if t < best_t:
-                        best, best_t = cfg, t
+                        best, best_t = (kind, cfg), t
                 self.choice[key] = best
                 lib = "scaled GEMM" if fp8 else "cuBLAS"
                 lines.append(

@@ -41,27 +41,36 @@ TORCH_OPS = KernelOps("torch", rmsnorm_ref, fused_add_rmsnorm_ref, silu_and_mul_
 def _skinny_linears(silu_and_mul: Callable):
     """linear and gate_up_silu that use our GEMV kernels for the (N, K, batch) where the tuner found them
     faster than cuBLAS, and cuBLAS (+ `silu_and_mul`) elsewhere."""
+    from radixlm.kernels.fp8_mm import fp8_mm
     from radixlm.kernels.gemv import GemvTuner, gemv, gemv_silu_mul
 
     tuner = GemvTuner()
 
     def linear(x, w, b=None):
-        cfg = tuner.lookup(x.shape[0], w, False) if x.dim() == 2 else None
-        return F.linear(x, w, b) if cfg is None else gemv(x, w, b, cfg)
+        pick = tuner.lookup(x.shape[0], w, False) if x.dim() == 2 else None
+        return F.linear(x, w, b) if pick is None else gemv(x, w, b, pick[1])
 
     def gate_up_silu(x, w, b=None):
-        cfg = tuner.lookup(x.shape[0], w, True) if x.dim() == 2 else None
-        return silu_and_mul(F.linear(x, w, b)) if cfg is None else gemv_silu_mul(x, w, b, cfg)
+        pick = tuner.lookup(x.shape[0], w, True) if x.dim() == 2 else None
+        return silu_and_mul(F.linear(x, w, b)) if pick is None else gemv_silu_mul(x, w, b, pick[1])
 
-    # FP8 weights: the GEMV reads them in e4m3 and keeps x as it is (W8A16) where it measured faster than
-    # quantizing x and running the scaled GEMM (W8A8)
+    # FP8 weights: the GEMV reads them in e4m3 and keeps x as it is (W8A16), the tensor-core kernel quantizes x
+    # per token itself (W8A8), the library path quantizes x and runs the scaled GEMM: whichever measured fastest
     def fp8_linear(x, q):
-        cfg = tuner.lookup(x.shape[0], q.weight, False) if x.dim() == 2 else None
-        return q.matmul(x) if cfg is None else gemv(x, q.weight, None, cfg, q.scale)
+        pick = tuner.lookup(x.shape[0], q.weight, False) if x.dim() == 2 else None
+        if pick is None:
+            return q.matmul(x)
+        if pick[0] == "mma":
+            return fp8_mm(x, q.weight, q.scale, None, pick[1])
+        return gemv(x, q.weight, None, pick[1], q.scale)
 
     def fp8_gate_up_silu(x, q):
-        cfg = tuner.lookup(x.shape[0], q.weight, True) if x.dim() == 2 else None
-        return silu_and_mul(q.matmul(x)) if cfg is None else gemv_silu_mul(x, q.weight, None, cfg, q.scale)
+        pick = tuner.lookup(x.shape[0], q.weight, True) if x.dim() == 2 else None
+        if pick is None:
+            return silu_and_mul(q.matmul(x))
+        if pick[0] == "mma":
+            return fp8_mm(x, q.weight, q.scale, None, pick[1], silu_mul=True)
+        return gemv_silu_mul(x, q.weight, None, pick[1], q.scale)
 
     return linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner
 

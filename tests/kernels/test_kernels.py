@@ -328,3 +328,32 @@ def test_gemv_reads_fp8_weights_with_row_scales(m, fused):
         got, want = gemv(x, wq, scale=scale), x @ exact.T
     # the reference rounds the dequantized weight to bf16 (the kernel does not): ~1% apart
     assert got.shape == want.shape and ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize(
+    "m,n,k,fused,prequant",
+    [(1, 64, 256, False, False), (3, 128, 384, True, False), (20, 64, 256, False, False), (2, 96, 256, False, True)],
+)
+def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant):
+    """W8A8 on the tensor cores: the product of x quantized per token (in the kernel, or beforehand) and the
+    e4m3 rows times their scales, as the scaled GEMM computes it; K not a multiple of the tile, N not of the
+    MMA height, a batch past the fused-quantization limit (quantized by the separate kernel)."""
+    from radixlm.kernels.fp8_mm import fp8_mm
+    from radixlm.kernels.fp8_quant import quantize_tokens
+
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    amax = w.abs().amax(dim=1)
+    scale = (amax / 448.0).to(DEV)
+    wq = (w / (amax / 448.0)[:, None]).to(torch.float8_e4m3fn).to(DEV)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 1, m)[:, None]).to(DEV, torch.bfloat16)
+    # The reference quantizes x with the Triton kernel too: under the interpreter both share its e4m3 cast
+    # (see test_fp8_quantize_tokens_kernel), on CUDA that kernel equals the torch reference.
+    xq, xs = quantize_tokens(x)
+    want = (xq.float() * xs) @ (wq.float() * scale[:, None]).T
+    if fused:
+        gate, up = want.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+    got = fp8_mm(xq, wq, scale, x_scale=xs, silu_mul=fused) if prequant else fp8_mm(x, wq, scale, silu_mul=fused)
+    assert got.shape == (m, n // 2 if fused else n) and got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1.5e-2
