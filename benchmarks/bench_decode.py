@@ -201,6 +201,7 @@ def main():
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="none")
+    ap.add_argument("--fp8-lm-head", action="store_true", help="with --quantization fp8: the LM head in fp8 too")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--extend-cuda-graph", default="auto", choices=["auto", "whole", "piecewise", "off"])
@@ -227,6 +228,7 @@ def main():
         load_format=args.load_format,
         dtype=args.dtype,
         quantization=args.quantization,
+        fp8_lm_head=args.fp8_lm_head,
         log_level="warning",
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,

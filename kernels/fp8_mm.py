@@ -4,9 +4,10 @@ e4m3 and one float32 scale per row (W8A8, the scaled GEMM's arithmetic).
 The CUDA-core GEMV (`gemv.py`) converts every e4m3 weight to fp32 before its FMA: at one byte per weight the
 conversion, not HBM, bounds it. Here the weight tile goes to the tensor cores as it is, with the weights as the
 MMA's tall operand ([BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M], the batch padded to 16 rows), so the loop is loads
-and MMAs. For small batches the kernel also quantizes x itself (each program finds the rows' amax in a first
-pass over x, which sits in L2, then quantizes its tiles on the fly): the separate quantization kernel and its
-launch go away. `silu_mul` fuses the MLP activation into the gate_up projection as the GEMV does.
+and MMAs. x is quantized per token by `fp8_quant.quantize_tokens` first: quantizing it inside this kernel (an
+amax pass per program, then tiles converted on the fly) measured slower on an H100 at every shape, as the
+converted tiles go through shared memory on every step. `silu_mul` fuses the MLP activation into the gate_up
+projection as the GEMV does.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
-
-FUSED_QUANT_MAX_M = 16  # above this every program re-reading x for its amax costs more than a separate kernel
 
 
 @triton.jit
@@ -26,70 +25,8 @@ def _load_tile(ptrs, k0, K, rk, row_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _fp8_mm_kernel(
-    x_ptr,
-    xs_ptr,
-    w_ptr,
-    ws_ptr,
-    b_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    up_offset,
-    X_FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    m_mask = rm < M
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    u_rows = w_rows + up_offset * stride_wn  # SILU_MUL: the up rows sit `up_offset` rows below the gate rows
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    # The weights do not depend on the kernel before this one: start their stream before waiting for it (PDL).
-    w = _load_tile(w_rows, 0, K, rk, n_mask, EVEN_K)
-    if SILU_MUL:
-        u = _load_tile(u_rows, 0, K, rk, n_mask, EVEN_K)
-    if USE_PDL:
-        gdc_wait()
-    if X_FP8:
-        xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
-    else:  # per-token scale as quantize_tokens computes it: amax / 448
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            v = _load_tile(x_rows, k0, K, rk, m_mask, EVEN_K).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        xs = tl.maximum(amax / 448.0, 1e-12)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if SILU_MUL:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if k0 > 0:
-            w = _load_tile(w_rows, k0, K, rk, n_mask, EVEN_K)
-            if SILU_MUL:
-                u = _load_tile(u_rows, k0, K, rk, n_mask, EVEN_K)
-        if X_FP8:
-            xq = _load_tile(x_rows, k0, K, rk, m_mask, EVEN_K)
-        else:
-            v = _load_tile(x_rows, k0, K, rk, m_mask, EVEN_K).to(tl.float32)
-            xq = tl.minimum(tl.maximum(v / xs[:, None], -448.0), 448.0).to(w_ptr.dtype.element_ty)
-        xt = tl.trans(xq)
-        acc = tl.dot(w, xt, acc)
-        if SILU_MUL:
-            acc_up = tl.dot(u, xt, acc_up)
-    if USE_PDL:
-        gdc_launch_dependents()
+def _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, stride_om, up_offset,
+              HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):  # fmt: skip
     out_ty = out_ptr.dtype.element_ty
     y = acc * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[:, None] * xs[None, :]
     if HAS_BIAS:
@@ -105,14 +42,101 @@ def _fp8_mm_kernel(
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates per batch bucket; the tuner times them per shape against
-# the scaled GEMM and the GEMV. BLOCK_N 64 per warpgroup is Hopper's MMA height.
-CONFIGS: dict[int, list[tuple[int, int, int, int]]] = {
-    16: [(64, 256, 4, 4), (64, 128, 4, 6), (64, 512, 4, 3), (128, 256, 8, 4), (64, 256, 4, 6), (32, 256, 4, 4)],
-    32: [(64, 256, 4, 4), (64, 128, 4, 5), (128, 128, 8, 4), (128, 256, 8, 3)],
-    64: [(64, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3)],
-    128: [(128, 128, 8, 4), (64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3)],
+@triton.jit
+def _fp8_mm_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    up_offset,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    m_mask = rm < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    u_rows = w_rows + up_offset * stride_wn  # SILU_MUL: the up rows sit `up_offset` rows below the gate rows
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    # The weights do not depend on the kernel before this one: start their stream before waiting for it (PDL).
+    # The first K step is peeled so that the loop's loads are unconditional, which Triton's pipeliner needs.
+    w = _load_tile(w_rows, k_lo, K, rk, n_mask, EVEN_K)
+    if SILU_MUL:
+        u = _load_tile(u_rows, k_lo, K, rk, n_mask, EVEN_K)
+    if USE_PDL:
+        gdc_wait()
+    xt = tl.trans(_load_tile(x_rows, k_lo, K, rk, m_mask, EVEN_K))
+    acc = tl.dot(w, xt)
+    acc_up = tl.dot(u, xt) if SILU_MUL else acc
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        xt = tl.trans(_load_tile(x_rows, k0, K, rk, m_mask, EVEN_K))
+        acc = tl.dot(_load_tile(w_rows, k0, K, rk, n_mask, EVEN_K), xt, acc)
+        if SILU_MUL:
+            acc_up = tl.dot(_load_tile(u_rows, k0, K, rk, n_mask, EVEN_K), xt, acc_up)
+    if USE_PDL:
+        gdc_launch_dependents()
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, stride_om, up_offset,
+                  HAS_BIAS, SILU_MUL)  # fmt: skip
+    else:
+        # Split K: each program leaves its partial sums in the workspace; the last of a tile's SPLIT_K programs
+        # to arrive (a counter per tile) adds them up, runs the epilogue and resets the counter for the next launch.
+        tile = pid_m * tl.num_programs(0) + pid_n
+        cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        parts = part_ptr + tile.to(tl.int64) * (SPLIT_K * 2 * BLOCK_N * BLOCK_M)
+        tl.store(parts + pid_k * BLOCK_N * BLOCK_M + cell, acc)
+        if SILU_MUL:
+            tl.store(parts + (SPLIT_K + pid_k) * BLOCK_N * BLOCK_M + cell, acc_up)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(parts + s * BLOCK_N * BLOCK_M + cell, cache_modifier=".cg")
+                if SILU_MUL:
+                    acc_up += tl.load(parts + (SPLIT_K + s) * BLOCK_N * BLOCK_M + cell, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)
+            _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, stride_om, up_offset,
+                      HAS_BIAS, SILU_MUL)  # fmt: skip
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) candidates per batch bucket; the tuner times them per shape
+# against the scaled GEMM and the GEMV. BLOCK_N 64 per warpgroup is Hopper's MMA height; splitting K fills the
+# SMs where N / BLOCK_N programs alone would not (N = 4096 is 64 programs on a 132-SM H100).
+_ONE = [(64, 256, 4, 4), (64, 128, 4, 6), (64, 512, 4, 3), (128, 256, 8, 3)]
+_SPLIT = [(64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 512, 4, 3, 2), (64, 128, 4, 6, 2), (64, 256, 4, 4, 3)]
+CONFIGS: dict[int, list[tuple[int, int, int, int, int]]] = {
+    16: [(*c, 1) for c in _ONE] + _SPLIT,
+    32: [(*c, 1) for c in _ONE] + _SPLIT[:3],
+    64: [(64, 128, 4, 4, 1), (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (64, 256, 4, 3, 1), (64, 256, 4, 4, 2)],
+    128: [(128, 128, 8, 4, 1), (64, 128, 4, 4, 1), (128, 256, 8, 3, 1), (256, 128, 8, 3, 1), (128, 256, 8, 3, 2)],
 }
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 16
 
 
 def bucket(m: int) -> int:
@@ -125,39 +149,46 @@ def fp8_mm(
     w: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
     silu_mul: bool = False,
     x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] in bf16/fp16 (quantized per token inside the kernel; or, with `x_scale` [M] / [M, 1], already
-    e4m3), w [N, K] e4m3 with `scale` [N] float32 -> [M, N] in x's dtype (bf16 for e4m3 x). `silu_mul`: w holds
-    gate rows then up rows and the result is silu(gate) * up, [M, N / 2]."""
+    """x [M, K] in bf16/fp16 (quantized per token here first; or, with `x_scale` [M] / [M, 1], already e4m3),
+    w [N, K] e4m3 with `scale` [N] float32 -> [M, N] in x's dtype (bf16 for e4m3 x). `silu_mul`: w holds gate
+    rows then up rows and the result is silu(gate) * up, [M, N / 2]."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
-    x_fp8 = x_scale is not None
-    if not x_fp8 and m > FUSED_QUANT_MAX_M:
+    block_n, block_k, warps, stages, split = config or CONFIGS[bucket(m)][0]
+    if x_scale is None:
         from radixlm.kernels.fp8_quant import quantize_tokens  # noqa: PLC0415
 
-        x_dtype = x.dtype
+        out_dtype = x.dtype
         x, x_scale = quantize_tokens(x)
-        x_fp8 = True
     else:
-        x_dtype = torch.bfloat16 if x_fp8 else x.dtype
-    block_n, block_k, warps, stages = config or CONFIGS[bucket(m)][0]
+        out_dtype = torch.bfloat16
     if silu_mul and block_n > 64:
         block_n //= 2  # two accumulators
-    block_m = min(bucket(m), 64) if m > 16 else 16
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(m, n, dtype=x_dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    block_m = min(bucket(m), 64)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    counters = part = scale
+    if split > 1:
+        assert grid[0] * grid[1] <= _MAX_TILES
+        counters = _COUNTERS.get(x.device)
+        if counters is None:  # zeroed once; the last program of each tile sets its counter back to 0
+            counters = _COUNTERS[x.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=x.device)
+        part = torch.empty(grid[0] * grid[1] * split * 2 * block_n * block_m, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     _fp8_mm_kernel[grid](
         x,
-        x_scale.reshape(-1) if x_fp8 else scale,
+        x_scale.reshape(-1),
         w,
         scale.reshape(-1),
         bias if bias is not None else scale,
         out,
+        part,
+        counters,
         m,
         n,
         k,
@@ -165,10 +196,11 @@ def fp8_mm(
         w.stride(0),
         out.stride(0),
         n,
-        X_FP8=x_fp8,
+        k_per_split,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0,
+        SPLIT_K=split,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

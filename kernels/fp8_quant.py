@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.kernels._triton import tl, triton
+from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
 
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
@@ -19,8 +19,13 @@ def quantize_tokens_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    if USE_PDL:
+        # Launched while the kernel before it finishes; the matmul after it may launch at once and start
+        # streaming its weights, and waits for this kernel's output itself.
+        gdc_wait()
+        gdc_launch_dependents()
     x_row = x_ptr + row.to(tl.int64) * stride_x
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -46,6 +51,14 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         _quantize_tokens_kernel[(m,)](
-            x, q, s, k, x.stride(0), q.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=8
+            x,
+            q,
+            s,
+            k,
+            x.stride(0),
+            q.stride(0),
+            BLOCK=min(4096, triton.next_power_of_2(k)),
+            num_warps=8,
+            **pdl_args(x.device),
         )
     return q, s

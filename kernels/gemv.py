@@ -258,19 +258,20 @@ class GemvTuner:
             copies = [w] + [w.clone() for _ in range(min(7, -(-4 * l2 // (w.numel() * w.element_size())) - 1))]
             fp8 = scale is not None
             dtype = torch.bfloat16 if fp8 else w.dtype
-            exact = (w.float() * scale.reshape(-1, 1)).to(dtype) if fp8 else w
-            if fp8:
-                library = (
-                    (lambda x, c: _silu_mul(scaled_mm_ref(x, c, scale)))
-                    if fused
-                    else (lambda x, c: scaled_mm_ref(x, c, scale))
-                )
-            else:
-                library = gemv_silu_mul_ref if fused else gemv_ref
+            # Correctness is checked on a band of rows (the same kernel and K; an exact copy of a whole LM head
+            # would not fit beside a model that fills the GPU)
+            cw, cs = _check_rows(w, scale, fused)
+            exact = (cw.float() * cs.reshape(-1, 1)).to(dtype) if fp8 else cw
+
+            def library(x, c, s=scale):
+                if not fp8:
+                    return (gemv_silu_mul_ref if fused else gemv_ref)(x, c)
+                return _silu_mul(scaled_mm_ref(x, c, s)) if fused else scaled_mm_ref(x, c, s)
+
             ref = gemv_silu_mul_ref if fused else gemv_ref
             candidates = {
-                "gemv": lambda x, c, cfg: _launch(x, c, None, fused, cfg, scale),
-                "mma": lambda x, c, cfg: fp8_mm(x, c, scale, None, cfg, fused),
+                "gemv": lambda x, c, cfg, s=scale: _launch(x, c, None, fused, cfg, s),
+                "mma": lambda x, c, cfg, s=scale: fp8_mm(x, c, s, None, cfg, fused),
             }
             for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ())):
                 key = (w.shape[0], w.shape[1], fused, bm, fp8)
@@ -284,11 +285,11 @@ class GemvTuner:
                     tries += [("mma", cfg) for cfg in MMA_CONFIGS[mma_bucket(bm)]]
                 # W8A8 kernels are checked against the scaled GEMM (the same arithmetic: x rounded to e4m3 costs
                 # a few percent against the exact product), W8A16 and bf16 ones against the exact product
-                expect = {"gemv": ref(x, exact), "mma": library(x, w) if fp8 else None}
+                expect = {"gemv": ref(x, exact), "mma": library(x, cw, cs) if fp8 else None}
                 for kind, cfg in tries:
                     run = candidates[kind]
                     try:
-                        err = _rel_err(run(x, w, cfg), expect[kind])
+                        err = _rel_err(run(x, cw, cfg, cs), expect[kind])
                     except Exception as e:  # noqa: BLE001 - a config this GPU or compiler cannot build
                         logger.debug("skinny matmul %s %s failed: %s", kind, cfg, e)
                         continue
@@ -306,6 +307,17 @@ class GemvTuner:
             del copies
         self.report += lines
         return lines
+
+
+def _check_rows(w: torch.Tensor, scale: torch.Tensor | None, fused: bool, rows: int = 4096):
+    """At most `rows` output rows of a weight (and their scales) for a correctness check; for a fused gate_up,
+    the same band of gate rows and of up rows."""
+    n = w.shape[0] // 2 if fused else w.shape[0]
+    if n <= rows:
+        return w, scale
+    idx = torch.arange(rows, device=w.device)
+    idx = torch.cat([idx, idx + n]) if fused else idx
+    return w[idx].contiguous(), None if scale is None else scale.reshape(-1)[idx].contiguous()
 
 
 def _silu_mul(y: torch.Tensor) -> torch.Tensor:

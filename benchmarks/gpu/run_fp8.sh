@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # FP8 runs on one GPU (issue 30), in stages that each leave their results in DEST as soon as they finish:
-#   kernels  the FP8 kernel tests (compiled), then bench_fp8_mm.py: every skinny FP8 candidate per projection of
+#   test     the gpu suite's FP8 tests (kernels compiled, fp8 logits vs bf16, greedy across graphs/eager/overlap)
+#   kernels  bench_fp8_mm.py: every skinny FP8 candidate per projection of
 #            the 8B and 70B shapes at batch 1/8/16/32/128, beside the bf16 weight's best
-#   decode8  bench_decode on the 8B shape, bf16 then fp8 (triton backend), beside the plain PyTorch graph step
-#   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8 (fits one 80 GB card)
+#   decode8  bench_decode on the 8B shape, bf16, fp8, fp8 with the LM head too (triton backend), beside the plain
+#            PyTorch graph step
+#   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
 # Usage (device tool): bash benchmarks/gpu/run_fp8.sh DEST [stages...]; BUDGET (s, default 570) bounds the call.
 set -u
 DEST=$1; shift
-STAGES=${*:-kernels decode8}
+STAGES=${*:-test kernels decode8}
 BUDGET=${BUDGET:-570}
 exec > >(tee -a "$DEST/log.txt") 2>&1
 left() { local n=$((BUDGET - SECONDS)); echo $((n > 1 ? n : 1)); }
@@ -15,17 +17,21 @@ stage() { [[ " $STAGES " == *" $1 "* ]]; }
 source .gpu-bundle/activate
 export PYTHONPATH=$PWD:$PYTHONPATH
 TOK=$PWD/.gpu-bundle/tokenizer
+export RADIXLM_TEST_TOKENIZER=$TOK
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-decode() {  # decode CONFIG QUANT OUTNAME BATCHES...
+decode() {  # decode CONFIG QUANT OUTNAME BATCHES... (HEAD=--fp8-lm-head for an fp8 head)
   local cfg=$1 q=$2 name=$3; shift 3
-  echo "== decode $cfg $q ($(left) s left)"
+  echo "== decode $cfg $q ${HEAD:-} ($(left) s left)"
   timeout $(left) python benchmarks/bench_decode.py --model-path $cfg --load-format dummy --tokenizer-path $TOK \
-    --attention-backend triton --quantization $q --batch-sizes "$@" --context 512 --extend-cuda-graph off \
+    --attention-backend triton --quantization $q ${HEAD:-} --batch-sizes "$@" --context 512 --extend-cuda-graph off \
     --out "$DEST/$name.json" 2>&1 | grep -v -i warn | tail -12
 }
+if stage test; then
+  timeout $(left) python -m pytest -q -m gpu tests/kernels/test_kernels.py tests/gpu/test_fp8_cuda.py -k fp8 2>&1 |
+    grep -v -i warn | tail -15 | tee "$DEST/pytest_fp8.txt"
+fi
 if stage kernels; then
-  timeout $(left) python -m pytest -q -m gpu tests/kernels/test_kernels.py -k fp8 2>&1 | tail -3
   timeout $(left) python benchmarks/gpu/bench_fp8_mm.py --shapes 8b 70b --batches 1 8 16 32 128 --out "$DEST" 2>&1 |
     grep -v -i warn
 fi
@@ -33,7 +39,9 @@ if stage decode8; then
   timeout $(left) python .gpu-bundle/plain_graph_decode.py 1024 512 1,32,128 2>&1 | tail -6 | tee "$DEST/plain_graph.txt"
   decode benchmarks/configs/llama-3.1-8b none decode8b_bf16 1 32 128
   decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8 1 32 128
+  HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_head 1 32 128
 fi
 if stage decode70; then
+  HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8_head 1 8
   decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8 1 8
 fi

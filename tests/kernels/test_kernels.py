@@ -331,13 +331,19 @@ def test_gemv_reads_fp8_weights_with_row_scales(m, fused):
 
 
 @pytest.mark.parametrize(
-    "m,n,k,fused,prequant",
-    [(1, 64, 256, False, False), (3, 128, 384, True, False), (20, 64, 256, False, False), (2, 96, 256, False, True)],
+    "m,n,k,fused,prequant,split",
+    [
+        (1, 64, 256, False, False, 1),
+        (3, 128, 384, True, False, 2),
+        (20, 64, 256, False, False, 1),
+        (2, 96, 256, False, True, 1),
+        (5, 192, 640, False, True, 3),
+    ],
 )
-def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant):
-    """W8A8 on the tensor cores: the product of x quantized per token (in the kernel, or beforehand) and the
-    e4m3 rows times their scales, as the scaled GEMM computes it; K not a multiple of the tile, N not of the
-    MMA height, a batch past the fused-quantization limit (quantized by the separate kernel)."""
+def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split):
+    """W8A8 on the tensor cores: the product of x quantized per token (here, or beforehand) and the e4m3 rows
+    times their scales, as the scaled GEMM computes it; K not a multiple of the tile, N not of the MMA height,
+    K split across programs (the last to arrive sums the parts; run twice: it must leave its counters at 0)."""
     from radixlm.kernels.fp8_mm import fp8_mm
     from radixlm.kernels.fp8_quant import quantize_tokens
 
@@ -354,6 +360,11 @@ def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant):
     if fused:
         gate, up = want.chunk(2, dim=-1)
         want = torch.nn.functional.silu(gate) * up
-    got = fp8_mm(xq, wq, scale, x_scale=xs, silu_mul=fused) if prequant else fp8_mm(x, wq, scale, silu_mul=fused)
-    assert got.shape == (m, n // 2 if fused else n) and got.dtype == torch.bfloat16
-    assert rel_err(got, want) < 1.5e-2
+    cfg = (64, 128, 4, 2, split)
+    for _ in range(2):
+        if prequant:
+            got = fp8_mm(xq, wq, scale, config=cfg, x_scale=xs, silu_mul=fused)
+        else:
+            got = fp8_mm(x, wq, scale, config=cfg, silu_mul=fused)
+        assert got.shape == (m, n // 2 if fused else n) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 1.5e-2
