@@ -1,8 +1,8 @@
 """The skinny FP8 matmul candidates one by one, per Llama projection shape and batch: the bf16 weight's best
-(cuBLAS or our GEMV), the scaled GEMM (x quantized per token + torch._scaled_mm), the e4m3 GEMV (W8A16) and
-every tensor-core config of `kernels/fp8_mm.py` (W8A8, quantizing x itself up to batch 16). Each time is one
-call streaming its weights from HBM (copies together 4x L2, calls back to back in a CUDA graph), with the
-weight-read rate beside it, so the table says how far each kernel is from the HBM floor.
+(cuBLAS or our GEMV), the scaled GEMM (x quantized per token + torch._scaled_mm) and every tensor-core config
+of `kernels/fp8_mm.py` (W8A8, x quantized by the same per-token kernel). Each time is one call streaming its
+weights from HBM (copies together 4x L2, calls back to back in a CUDA graph), with the weight-read rate beside
+it, so the table says how far each kernel is from the HBM floor.
 
     python benchmarks/gpu/bench_fp8_mm.py --shapes 8b 70b --batches 1 8 16 32 128 --out DIR
 """
@@ -76,16 +76,6 @@ def main() -> None:
                     else (lambda c: G.scaled_mm_ref(x, c, ws))
                 )
                 r["fp8_scaled_mm_us"] = timed(scaled, c8)
-                if m <= G.MAX_M:
-                    best = min(
-                        (
-                            (t, cfg)
-                            for cfg in G.CONFIGS_FP8[G._block_m(m)]
-                            if (t := timed(lambda c, cfg=cfg: G._launch(x, c, None, fused, cfg, ws), c8)) is not None
-                        ),
-                        default=(None, None),
-                    )
-                    r["fp8_gemv_us"], r["fp8_gemv_cfg"] = best
                 mma = {}
                 for cfg in MMA_CONFIGS[bucket(m)]:
                     mma[str(cfg)] = timed(lambda c, cfg=cfg: fp8_mm(x, c, ws, None, cfg, fused), c8)
@@ -98,7 +88,7 @@ def main() -> None:
                     r["fp8_mma_rel_err_vs_scaled_mm"] = G._rel_err(got, ref)
                 fp8_best = min(
                     t
-                    for t in (r["fp8_scaled_mm_us"], r.get("fp8_gemv_us"), r["fp8_mma_best"][1] if ok else None)
+                    for t in (r["fp8_scaled_mm_us"], r["fp8_mma_best"][1] if ok else None)
                     if t is not None
                 )
                 bf16_best = min(t for t in (r["bf16_cublas_us"], r.get("bf16_gemv_us")) if t is not None)
@@ -108,7 +98,7 @@ def main() -> None:
                 rows.append(r)
                 print(
                     f"{shape} {proj:8s} M={m:4d}  bf16 {bf16_best:7.1f} us ({r['bf16_GBps']:5.0f} GB/s)  fp8: scaled "
-                    f"{r['fp8_scaled_mm_us'] or 0:7.1f}  gemv {r.get('fp8_gemv_us') or 0:7.1f}  mma "
+                    f"{r['fp8_scaled_mm_us'] or 0:7.1f}  mma "
                     f"{r['fp8_mma_best'][1] if ok else 0:7.1f} {r['fp8_mma_best'][0] if ok else ''}"
                     f"  best {fp8_best:7.1f}"
                     f" us ({r['fp8_GBps']:5.0f} GB/s, {bf16_best / fp8_best:.2f}x)",

@@ -54,23 +54,17 @@ def _skinny_linears(silu_and_mul: Callable):
         pick = tuner.lookup(x.shape[0], w, True) if x.dim() == 2 else None
         return silu_and_mul(F.linear(x, w, b)) if pick is None else gemv_silu_mul(x, w, b, pick[1])
 
-    # FP8 weights: the GEMV reads them in e4m3 and keeps x as it is (W8A16), the tensor-core kernel quantizes x
-    # per token itself (W8A8), the library path quantizes x and runs the scaled GEMM: whichever measured fastest
+    # FP8 weights (W8A8): our tensor-core kernel where it measured faster than quantizing x and running the
+    # scaled GEMM
     def fp8_linear(x, q):
         pick = tuner.lookup(x.shape[0], q.weight, False) if x.dim() == 2 else None
-        if pick is None:
-            return q.matmul(x)
-        if pick[0] == "mma":
-            return fp8_mm(x, q.weight, q.scale, None, pick[1])
-        return gemv(x, q.weight, None, pick[1], q.scale)
+        return q.matmul(x) if pick is None else fp8_mm(x, q.weight, q.scale, None, pick[1])
 
     def fp8_gate_up_silu(x, q):
         pick = tuner.lookup(x.shape[0], q.weight, True) if x.dim() == 2 else None
         if pick is None:
             return silu_and_mul(q.matmul(x))
-        if pick[0] == "mma":
-            return fp8_mm(x, q.weight, q.scale, None, pick[1], silu_mul=True)
-        return gemv_silu_mul(x, q.weight, None, pick[1], q.scale)
+        return fp8_mm(x, q.weight, q.scale, None, pick[1], silu_mul=True)
 
     return linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner
 
