@@ -87,9 +87,7 @@ def main() -> None:
                     got = fp8_mm(x, wq, ws, None, eval(r["fp8_mma_best"][0]), fused)
                     r["fp8_mma_rel_err_vs_scaled_mm"] = G._rel_err(got, ref)
                 fp8_best = min(
-                    t
-                    for t in (r["fp8_scaled_mm_us"], r["fp8_mma_best"][1] if ok else None)
-                    if t is not None
+                    t for t in (r["fp8_scaled_mm_us"], r["fp8_mma_best"][1] if ok else None) if t is not None
                 )
                 bf16_best = min(t for t in (r["bf16_cublas_us"], r.get("bf16_gemv_us")) if t is not None)
                 r["fp8_best_us"], r["bf16_best_us"] = fp8_best, bf16_best
