@@ -202,6 +202,7 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--fp8-lm-head", action="store_true", help="with --quantization fp8: the LM head in fp8 too")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--extend-cuda-graph", default="auto", choices=["auto", "whole", "piecewise", "off"])
@@ -229,6 +230,7 @@ def main():
         dtype=args.dtype,
         quantization=args.quantization,
         fp8_lm_head=args.fp8_lm_head,
+        kv_cache_dtype=args.kv_cache_dtype,
         log_level="warning",
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,

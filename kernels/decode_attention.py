@@ -21,7 +21,9 @@ MAX_SPLITS = 16
 
 
 # --- torch reference -----------------------------------------------------------------------------------------
-def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale: float):
+def decode_attention_ref(
+    q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale: float, k_scale=1.0, v_scale=1.0
+):
     """q: [B, H, D]; returns [B, H, D] (float32 math, per request, no padding)."""
     b, h, d = q.shape
     kvh = k_cache.shape[1]
@@ -29,8 +31,8 @@ def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, se
     for i in range(b):
         n = int(seq_lens[i])
         slots = req_to_token[int(req_pool_indices[i]), :n].long()
-        k = k_cache[slots].float().repeat_interleave(h // kvh, 1)  # [n, H, D]
-        v = v_cache[slots].float().repeat_interleave(h // kvh, 1)
+        k = (k_cache[slots].float() * k_scale).repeat_interleave(h // kvh, 1)  # [n, H, D]
+        v = (v_cache[slots].float() * v_scale).repeat_interleave(h // kvh, 1)
         s = torch.einsum("hd,nhd->hn", q[i].float(), k) * sm_scale
         out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out
@@ -98,16 +100,14 @@ def _attend_split(
         slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if F32_DOT:
-            k = k.to(tl.float32)
+        k = k.to(q.dtype)  # e4m3 KV to the query's dtype; float32 under the interpreter
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if F32_DOT:
-            v = v.to(tl.float32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -130,12 +130,14 @@ def _merge_splits(
     stride_mos,
     stride_mls,
     num_splits,
+    o_scale,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """One (request, head): the splits' partial outputs (mid_o[mo_base + s * stride_mos]) weighed by their
-    log-sum-exps (mid_lse[ml_base + s * stride_mls]) into out[o_base]."""
+    log-sum-exps (mid_lse[ml_base + s * stride_mls]) into out[o_base], times `o_scale` (an FP8 pool's V scale:
+    the output is linear in V)."""
     s = tl.arange(0, BLOCK_S)
     smask = s < num_splits
     d = tl.arange(0, BLOCK_D)
@@ -144,7 +146,7 @@ def _merge_splits(
     o = tl.load(
         mid_o_ptr + mo_base + s[:, None] * stride_mos + d[None, :], mask=smask[:, None] & (d[None, :] < D), other=0.0
     )
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) * (o_scale / tl.sum(w, 0))
     tl.store(out_ptr + o_base + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -239,6 +241,7 @@ def _decode_stage2(
     stride_ob,
     stride_oh,
     num_splits,
+    o_scale,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -259,6 +262,7 @@ def _decode_stage2(
         stride_mos,
         1,
         num_splits,
+        o_scale,
         D=D,
         BLOCK_D=BLOCK_D,
         BLOCK_S=BLOCK_S,
@@ -362,6 +366,7 @@ def _rows_stage2(
     stride_mli,
     stride_ob,
     stride_oh,
+    o_scale,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -386,6 +391,7 @@ def _rows_stage2(
         stride_moi,
         stride_mli,
         splits,
+        o_scale,
         D=D,
         BLOCK_D=BLOCK_D,
         BLOCK_S=BLOCK_S,
@@ -411,8 +417,11 @@ def decode_attention(
     q_rows: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D]; req_to_token: [rows, max_ctx] int32;
+    """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (e4m3 with `k_scale` / `v_scale`, or q's dtype);
+    req_to_token: [rows, max_ctx] int32;
     req_pool_indices/seq_lens: [B]. Reads only tensors: capturable in a CUDA graph. With `q_rows` ([B] int64),
     request i's query is q[q_rows[i]] and its output goes to out[q_rows[i]] (one-token rows of a larger
     batch, read and written in place, without a gather and a scatter around the call)."""
@@ -455,7 +464,7 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        sm_scale * _LOG2E,
+        sm_scale * k_scale * _LOG2E,
         num_splits,
         GROUP=group,
         BLOCK_H=max(16, next_pow2(group)),
@@ -481,6 +490,7 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         num_splits,
+        v_scale,
         D=d,
         BLOCK_D=block_d,
         BLOCK_S=max(2, next_pow2(MAX_SPLITS)),
@@ -509,6 +519,8 @@ def decode_attention_rows(
     out: torch.Tensor,
     max_items: int,
     block_n: int = 64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention for the first ctl[0] entries of q_rows / req_pool_indices / seq_lens, each split
     ctl[1] ways (ctl: a device int tensor); reads q[q_rows[i]] and writes out[q_rows[i]]. The launch depends
@@ -542,7 +554,7 @@ def decode_attention_rows(
         mid_o.stride(0),
         mid_o.stride(1),
         mid_lse.stride(0),
-        sm_scale * _LOG2E,
+        sm_scale * k_scale * _LOG2E,
         KVH=kvh,
         GROUP=h // kvh,
         BLOCK_H=max(16, next_pow2(h // kvh)),
@@ -565,6 +577,7 @@ def decode_attention_rows(
         mid_lse.stride(0),
         out.stride(0),
         out.stride(1),
+        v_scale,
         H=h,
         D=d,
         BLOCK_D=block_d,

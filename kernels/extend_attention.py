@@ -18,7 +18,16 @@ _LOG2E = 1.4426950408889634
 
 # --- torch reference -----------------------------------------------------------------------------------------
 def extend_attention_ref(
-    q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale: float
+    q,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    sm_scale: float,
+    k_scale=1.0,
+    v_scale=1.0,
 ) -> torch.Tensor:
     """q: [T, H, D] (requests' new tokens back to back); returns [T, H, D]."""
     h = q.shape[1]
@@ -28,8 +37,8 @@ def extend_attention_ref(
     for i in range(len(extend_lens)):
         p, e = int(prefix_lens[i]), int(extend_lens[i])
         slots = req_to_token[int(req_pool_indices[i]), : p + e].long()
-        k = k_cache[slots].float().repeat_interleave(h // kvh, 1)
-        v = v_cache[slots].float().repeat_interleave(h // kvh, 1)
+        k = (k_cache[slots].float() * k_scale).repeat_interleave(h // kvh, 1)
+        v = (v_cache[slots].float() * v_scale).repeat_interleave(h // kvh, 1)
         s = torch.einsum("qhd,nhd->hqn", q[start : start + e].float(), k) * sm_scale
         causal = torch.arange(p + e)[None, :] <= (p + torch.arange(e))[:, None]
         s = s.masked_fill(~causal.to(s.device), float("-inf"))
@@ -62,6 +71,7 @@ def _extend_kernel(
     stride_oh,
     stride_r2t,
     qk_scale,
+    o_scale,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -104,8 +114,7 @@ def _extend_kernel(
         slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        if F32_DOT:
-            k = k.to(tl.float32)
+        k = k.to(q.dtype)  # e4m3 KV to the query's dtype; float32 under the interpreter
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         # Key n is visible to query row m when n <= its position; column 0 always is, so no row is all -inf.
         qk = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), qk, float("-inf"))
@@ -113,12 +122,11 @@ def _extend_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if F32_DOT:
-            v = v.to(tl.float32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc * (o_scale / l_i)[:, None]  # o_scale: an FP8 pool's V scale (the output is linear in V)
     tl.store(
         o_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
         out.to(o_ptr.dtype.element_ty),
@@ -155,6 +163,8 @@ def extend_attention(
     blocks: torch.Tensor,
     sm_scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, H, D]; prefix_lens/extend_lens/q_starts: [B] device tensors; blocks: [2, NB] device int tensor,
     the (request, block) table from `extend_blocks` for `extend_block_m`, request -1 marking unused entries.
@@ -194,7 +204,8 @@ def extend_attention(
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
-        sm_scale * _LOG2E,
+        sm_scale * k_scale * _LOG2E,
+        v_scale,
         GROUP=h // kvh,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -13,6 +13,8 @@ import torch
 from radixlm.kernels import next_pow2
 from radixlm.kernels._triton import tl, triton
 
+FP8_MAX = 448.0
+
 
 # --- torch reference -----------------------------------------------------------------------------------------
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -28,18 +30,54 @@ def _head_rmsnorm_ref(x, weight, eps):
     return weight * h.to(x.dtype)
 
 
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """x in the cache's dtype: an e4m3 cache stores x / scale, saturated at e4m3's largest value."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+    return x.to(cache.dtype)
+
+
+def store_rows(cache: torch.Tensor, loc: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[loc] = x (x in the cache's dtype); e4m3 rows are copied as bytes, which every device's
+    index_copy_ handles."""
+    if cache.dtype == torch.float8_e4m3fn:
+        cache.view(torch.uint8).index_copy_(0, loc, x.view(torch.uint8))
+    else:
+        cache.index_copy_(0, loc, x)
+
+
+def gather_rows(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, idx), e4m3 rows read as bytes."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8).index_select(0, idx).view(cache.dtype)
+    return cache.index_select(0, idx)
+
+
 def rope_and_store_ref(
-    positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6
+    positions,
+    q,
+    k,
+    v,
+    cos_sin,
+    k_cache,
+    v_cache,
+    loc,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Returns the rotated q [T, H, D]; writes rotated k and v into k_cache/v_cache [slots, KVH, D] at `loc`."""
+    """Returns the rotated q [T, H, D]; writes rotated k and v into k_cache/v_cache [slots, KVH, D] at `loc`
+    (an e4m3 cache holds them divided by `k_scale` / `v_scale`)."""
     if q_norm_weight is not None:
         q, k = _head_rmsnorm_ref(q, q_norm_weight, eps), _head_rmsnorm_ref(k, k_norm_weight, eps)
     half = q.shape[-1] // 2
     cs = cos_sin.index_select(0, positions).unsqueeze(1)
     cos, sin = cs[..., :half], cs[..., half:]
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
-    k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
+    store_rows(k_cache, loc, to_cache(k, k_cache, k_scale))
+    store_rows(v_cache, loc, to_cache(v, v_cache, v_scale))
     return q
 
 
@@ -106,11 +144,14 @@ def _rope_store_kernel(
     n_heads,
     n_kv_heads,
     eps,
+    k_inv,
+    v_inv,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_KVH: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -132,6 +173,9 @@ def _rope_store_kernel(
     )
     hk = tl.arange(0, BLOCK_KVH)
     kc = kc_ptr + slot * stride_kcs + hk[:, None] * stride_kch + d[None, :]
+    if KV_FP8:  # an e4m3 pool holds K / k_scale, saturated
+        k1 = tl.minimum(tl.maximum(k1 * k_inv, -448.0), 448.0)
+        k2 = tl.minimum(tl.maximum(k2 * k_inv, -448.0), 448.0)
     tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kmask)
     tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kmask)
 
@@ -139,15 +183,31 @@ def _rope_store_kernel(
     vc = vc_ptr + slot * stride_vcs + hk[:, None] * stride_vch + d[None, :]
     v1 = tl.load(v_ptr + t * stride_vt + voff, mask=kmask, other=0.0)
     v2 = tl.load(v_ptr + t * stride_vt + voff + HALF, mask=kmask, other=0.0)
+    if KV_FP8:
+        v1 = tl.minimum(tl.maximum(v1.to(tl.float32) * v_inv, -448.0), 448.0)
+        v2 = tl.minimum(tl.maximum(v2.to(tl.float32) * v_inv, -448.0), 448.0)
     tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kmask)
     tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kmask)
 
 
 def rope_and_store(
-    positions, q, k, v, cos_sin, k_cache, v_cache, loc, q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6
+    positions,
+    q,
+    k,
+    v,
+    cos_sin,
+    k_cache,
+    v_cache,
+    loc,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (strided views of the qkv projection are fine); cos_sin: [P, D] float32
-    (cos | sin halves); k_cache/v_cache: [slots, KVH, D]; loc: [T] KV slots. Returns rotated q, contiguous."""
+    (cos | sin halves); k_cache/v_cache: [slots, KVH, D] (e4m3: K / k_scale and V / v_scale); loc: [T] KV
+    slots. Returns rotated q, contiguous."""
     t, h, d = q.shape
     assert d % 2 == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -183,11 +243,14 @@ def rope_and_store(
         h,
         kvh,
         eps,
+        1.0 / k_scale,
+        1.0 / v_scale,
         HALF=d // 2,
         BLOCK_HALF=next_pow2(d // 2),
         BLOCK_H=next_pow2(h),
         BLOCK_KVH=next_pow2(kvh),
         HAS_NORM=has_norm,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )
     return q_out

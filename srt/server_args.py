@@ -38,6 +38,13 @@ class ServerArgs:
         QUANTIZATION_METHODS,
     )
     fp8_lm_head: bool = _opt(False, "with --quantization fp8, the LM head in FP8 too (by default it stays bf16)")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache element type. auto: the model's dtype; bf16: bfloat16 (a bfloat16 model); fp8_e4m3: half "
+        "the bytes per token (twice the tokens in the same memory), with per-layer K and V scales measured "
+        "by a calibration forward at start-up (CUDA, compute 8.9+; triton or torch_native attention)",
+        ("auto", "bf16", "fp8_e4m3"),
+    )
     context_length: int | None = _opt(None, "override the model's maximum context length")
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP

@@ -5,6 +5,7 @@
 #            the 8B and 70B shapes at batch 1/8/16/32/128, beside the bf16 weight's best
 #   decode8  bench_decode on the 8B shape, bf16, fp8, fp8 with the LM head too (triton backend), beside the plain
 #            PyTorch graph step
+#   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
 #   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
 # Usage (device tool): bash benchmarks/gpu/run_fp8.sh DEST [stages...]; BUDGET (s, default 570) bounds the call.
 set -u
@@ -20,11 +21,12 @@ TOK=$PWD/.gpu-bundle/tokenizer
 export RADIXLM_TEST_TOKENIZER=$TOK
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-decode() {  # decode CONFIG QUANT OUTNAME BATCHES... (HEAD=--fp8-lm-head for an fp8 head)
+decode() {  # decode CONFIG QUANT OUTNAME BATCHES... (HEAD=--fp8-lm-head: fp8 head; KV=fp8_e4m3: fp8 pool)
   local cfg=$1 q=$2 name=$3; shift 3
-  echo "== decode $cfg $q ${HEAD:-} ($(left) s left)"
+  echo "== decode $cfg $q ${HEAD:-} kv ${KV:-auto} ctx ${CONTEXT:-512} ($(left) s left)"
   timeout $(left) python benchmarks/bench_decode.py --model-path $cfg --load-format dummy --tokenizer-path $TOK \
-    --attention-backend triton --quantization $q ${HEAD:-} --batch-sizes "$@" --context 512 --extend-cuda-graph off \
+    --attention-backend triton --quantization $q ${HEAD:-} --kv-cache-dtype ${KV:-auto} --batch-sizes "$@" \
+    --context ${CONTEXT:-512} --extend-cuda-graph off \
     --out "$DEST/$name.json" 2>&1 | grep -v -i warn | tail -12
 }
 if stage test; then
@@ -40,6 +42,10 @@ if stage decode8; then
   decode benchmarks/configs/llama-3.1-8b none decode8b_bf16 1 32 128
   decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8 1 32 128
   HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_head 1 32 128
+fi
+if stage kv8; then  # the 8B shape in fp8 with the fp8 head, bf16 pool then e4m3 pool, at a longer context
+  CONTEXT=2048 HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_head_ctx2048 1 32 128
+  CONTEXT=2048 KV=fp8_e4m3 HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_kv8_ctx2048 1 32 128
 fi
 if stage decode70; then
   HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8_head 1 8

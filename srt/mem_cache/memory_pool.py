@@ -57,6 +57,8 @@ class TokenToKVPool:
     """K and V of every layer in two tensors [layers, slots + 1, kv_heads, head_dim]; slot 0 is padding.
 
     The free list lives on the host: allocation is scheduler bookkeeping and must never sync the device.
+    An e4m3 pool holds K / k_scale[layer] and V / v_scale[layer]; the scales are fixed before the first request
+    (ModelRunner's calibration), since every stored token depends on them.
     """
 
     def __init__(
@@ -68,6 +70,9 @@ class TokenToKVPool:
         shape = (num_layers, size + 1, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.is_fp8 = dtype == torch.float8_e4m3fn
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
         self.clear()
 
     def clear(self) -> None:
@@ -90,5 +95,11 @@ class TokenToKVPool:
         return self._free
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+        from radixlm.kernels.rope import store_rows, to_cache
+
+        store_rows(self.k_buffer[layer_id], loc, to_cache(k, self.k_buffer, self.k_scale[layer_id]))
+        store_rows(self.v_buffer[layer_id], loc, to_cache(v, self.v_buffer, self.v_scale[layer_id]))
+
+    def scales(self, layer_id: int) -> dict[str, float]:
+        """The K and V scales of a layer as keyword arguments of the store and attention kernels."""
+        return {"k_scale": self.k_scale[layer_id], "v_scale": self.v_scale[layer_id]}

@@ -20,6 +20,7 @@ from radixlm.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
 from radixlm.srt.model_executor.graph_runner import GraphRunner, default_cuda_graph_max_bs
 from radixlm.srt.model_executor.host_transfer import HostStaging, PendingCopy
+from radixlm.srt.model_executor.kv_dtype import calibrate_kv_scales, resolve_kv_dtype
 from radixlm.srt.model_loader.loader import LoadedModel
 
 if TYPE_CHECKING:
@@ -69,7 +70,13 @@ class ModelRunner:
         self.context_length = self.config.context_length
         self.server_args = args
         self.vocab_size = self.config.vocab_size
-        bytes_per_token = self.config.kv_bytes_per_token * torch.tensor([], dtype=self.dtype).element_size()
+        self.attn_backend_name = resolve_backend(
+            args.attention_backend, self.device.type, self.config.head_dim, self.dtype
+        )
+        if args.kv_cache_dtype == "fp8_e4m3" and args.attention_backend == "auto" and self.device.type == "cuda":
+            self.attn_backend_name = "triton"  # FlashInfer's wrappers are not given an e4m3 pool here
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device, self.attn_backend_name)
+        bytes_per_token = self.config.kv_bytes_per_token * torch.tensor([], dtype=self.kv_dtype).element_size()
         self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens(bytes_per_token, args)
         if self.max_total_tokens < 16:
             raise ValueError(f"KV cache of {self.max_total_tokens} tokens is too small")
@@ -81,17 +88,17 @@ class ModelRunner:
             self.config.num_layers,
             self.config.num_kv_heads,
             self.config.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
-        )
-        self.attn_backend_name = resolve_backend(
-            args.attention_backend, self.device.type, self.config.head_dim, self.dtype
         )
         self.attn_backend = create_backend(self.attn_backend_name, self)
         self.kernel_ops = select_kernel_ops("auto", self.device)
         self.model.set_kernel_ops(self.kernel_ops)
-        # On CPU the layers run as one flat loop (per-op overhead is most of a small model's step there).
-        self.cpu_path = self.device.type == "cpu" and self.model.enable_cpu_path()
+        # On CPU the layers run as one flat loop (per-op overhead is most of a small model's step there); it
+        # stores K and V itself, in the model's dtype.
+        self.cpu_path = self.device.type == "cpu" and not self.token_to_kv_pool.is_fp8 and self.model.enable_cpu_path()
+        if self.token_to_kv_pool.is_fp8:
+            calibrate_kv_scales(self)
         self.sampler = Sampler(self.vocab_size, self.device)
         self.staging = HostStaging(self.device)
         # Sampled ids that later steps read before the host has seen them (overlap scheduling).
@@ -106,8 +113,9 @@ class ModelRunner:
         else:
             kernels = self.kernel_ops.name
         logger.info(
-            "KV cache: %d tokens (%.2f GB), max running requests %d, attention %s, kernels %s",
+            "KV cache: %d tokens of %s (%.2f GB), max running requests %d, attention %s, kernels %s",
             self.max_total_tokens,
+            str(self.kv_dtype).removeprefix("torch."),
             self.max_total_tokens * bytes_per_token / 1e9,
             self.max_running_requests,
             self.attn_backend_name,

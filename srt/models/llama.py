@@ -51,6 +51,7 @@ class Attention(nn.Module):
             self.q_norm.weight if self.qk_norm else None,
             self.k_norm.weight if self.qk_norm else None,
             self.q_norm.eps if self.qk_norm else 1e-6,
+            **pool.scales(self.layer_id),
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

@@ -88,3 +88,29 @@ def test_fp8_greedy_identical_with_graphs_eager_and_overlap(setup):
         _close(engine)
     assert outs["eager"] == outs["graphs+overlap"]
     assert outs["no-overlap"] == outs["graphs+overlap"]
+
+
+def test_fp8_kv_cache_against_bf16_kv_on_the_same_weights(setup):
+    """--kv-cache-dtype fp8_e4m3 (triton attention): logits near the bf16 pool's (K and V rounded to 3 mantissa
+    bits; the bound as for the FP8 linears above), and greedy outputs identical with graphs and eager, overlap
+    on and off (the scales are fixed at start-up, so every path reads the same pool)."""
+    d, ids, prompts = setup
+    ref_engine = _engine(d)
+    ref = forward_logits(ref_engine, ids)
+    _close(ref_engine)
+    outs = {}
+    for name, kw in {
+        "graphs+overlap": {},
+        "eager": {"disable_cuda_graph": True},
+        "no-overlap": {"disable_overlap_schedule": True},
+    }.items():
+        engine = _engine(d, kv_cache_dtype="fp8_e4m3", **kw)
+        assert engine.runner.token_to_kv_pool.k_buffer.dtype == torch.float8_e4m3fn
+        if name == "eager":
+            got = forward_logits(engine, ids)
+            rel = ((got - ref).norm() / ref.norm()).item()
+            assert 0 < rel < 0.12, rel
+            assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.7
+        outs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+        _close(engine)
+    assert outs["eager"] == outs["graphs+overlap"] == outs["no-overlap"]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels import cpu as cpu_kernels
+from radixlm.kernels.rope import gather_rows
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 
@@ -85,8 +86,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         """K and V of every request's tokens, [B, KVH, max_kv, D]."""
         b, n = kv_idx.shape
         flat = kv_idx.view(-1)
-        k = pool.k_buffer[layer.layer_id].index_select(0, flat).view(b, n, layer.num_kv_heads, -1)
-        v = pool.v_buffer[layer.layer_id].index_select(0, flat).view(b, n, layer.num_kv_heads, -1)
+        k = gather_rows(pool.k_buffer[layer.layer_id], flat).view(b, n, layer.num_kv_heads, -1)
+        v = gather_rows(pool.v_buffer[layer.layer_id], flat).view(b, n, layer.num_kv_heads, -1)
+        if pool.is_fp8:  # e4m3 times the layer's scales
+            k = k.float() * pool.k_scale[layer.layer_id]
+            v = v.float() * pool.v_scale[layer.layer_id]
         return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
 
     def forward_extend(self, q, layer, fb: ForwardBatch) -> torch.Tensor:

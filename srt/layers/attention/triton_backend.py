@@ -173,6 +173,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.seq_lens,
             layer.scaling,
             fb.attn_metadata.num_splits,
+            **pool.scales(layer.layer_id),
         )
         return out.view(q.shape[0], -1)
 
@@ -182,8 +183,9 @@ class TritonAttnBackend(AttentionBackend):
         r2t = fb.req_to_token_pool.req_to_token
         md = fb.attn_metadata
         out = torch.zeros_like(q) if md.padded else torch.empty_like(q)
+        scales = pool.scales(layer.layer_id)
         if md.single is not None:  # the decode kernel reads and writes those rows in place
-            decode_attention_rows(q, k_cache, v_cache, r2t, *md.single, layer.scaling, out, md.single_items)
+            decode_attention_rows(q, k_cache, v_cache, r2t, *md.single, layer.scaling, out, md.single_items, **scales)
         if md.multi is not None:
-            extend_attention(q, k_cache, v_cache, r2t, *md.multi, layer.scaling, out=out)
+            extend_attention(q, k_cache, v_cache, r2t, *md.multi, layer.scaling, out=out, **scales)
         return out.view(q.shape[0], -1)
