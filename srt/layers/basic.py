@@ -47,10 +47,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            # FP8 weights go through the op set, which picks a GEMV for small batches; other forms compute alone
-            y = self.ops.fp8_linear(x, self.quant) if getattr(self.quant, "scaled", False) else self.quant.matmul(x)
+            y = self.product(x)
             return y if self.bias is None else y + self.bias
         return self.ops.linear(x, self.weight, self.bias)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T without the bias."""
+        if self.quant is not None:
+            # FP8 weights go through the op set, which picks a GEMV for small batches; other forms compute alone
+            return self.ops.fp8_linear(x, self.quant) if getattr(self.quant, "scaled", False) else self.quant.matmul(x)
+        return self.ops.linear(x, self.weight, None)
 
 
 class QuantizedRows(Protocol):

@@ -4,6 +4,7 @@ launches its sampling and the one device->host copy of the results; neither wait
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -64,7 +65,14 @@ class PendingSample:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, args: ServerArgs):
         self.model = loaded.model
-        self.config = loaded.config
+        # This rank's shapes (its heads and MLP columns under tensor parallelism; the model's otherwise).
+        local = getattr(self.model, "local_config", loaded.config)
+        self.config = dataclasses.replace(
+            loaded.config,
+            num_heads=local.num_heads,
+            num_kv_heads=local.num_kv_heads,
+            intermediate_size=local.intermediate_size,
+        )
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.context_length = self.config.context_length

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm.kernels import cpu as cpu_kernels
+from radixlm.srt.distributed.parallel import SINGLE, TensorParallel
 from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.basic import deferred_linear_weights
 from radixlm.srt.layers.quantization import QUANTIZATION_METHODS, fp8, fp8_load, load_gguf_quantized
@@ -119,7 +120,9 @@ def load_model(
     load_format: str = "auto",
     quantization: str = "auto",
     fp8_lm_head: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
+    """`tp`: this process's rank of a tensor-parallel group; the model it builds holds only its shard."""
     start = time.perf_counter()
     ckpt, resolved, name = open_checkpoint(model_path, dummy=load_format == "dummy")
     config = ckpt.config
@@ -137,13 +140,20 @@ def load_model(
             f"fp8_lm_head needs --quantization fp8 (this load resolved to {quantization})", param="fp8_lm_head"
         )
     fp8 = quantization == "fp8"
+    if tp.size > 1 and (quantization != "none" or isinstance(ckpt, GGUFCheckpoint)):
+        raise ModelLoadError(
+            f"tp_size {tp.size} runs Hugging Face checkpoints in bf16/fp16/fp32 for now (this load: "
+            f"{'a GGUF file' if isinstance(ckpt, GGUFCheckpoint) else 'quantization ' + quantization}); "
+            "use --quantization none with a safetensors checkpoint",
+            param="tp_size",
+        )
     model_cls = MODEL_REGISTRY[config.architecture]
     old_default = torch.get_default_dtype()
     torch.set_default_dtype(run_dtype)
     try:
         # FP8: the projections get memory only in their e4m3 form, as they are filled (fp8_load.py)
         with torch.device(dev), deferred_linear_weights() if fp8 else contextlib.nullcontext():
-            model = model_cls(config)
+            model = model_cls(config, tp=tp)
     finally:
         torch.set_default_dtype(old_default)
     if fp8:

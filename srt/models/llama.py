@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from radixlm.srt.distributed.parallel import SINGLE, TensorParallel
 from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.attention.base import RadixAttention
-from radixlm.srt.layers.basic import Embedding, Linear, QuantizedMatmul, RMSNorm
+from radixlm.srt.layers.basic import Linear, QuantizedMatmul, RMSNorm
 from radixlm.srt.layers.ops import TORCH_OPS, KernelOps
+from radixlm.srt.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from radixlm.srt.layers.rotary import RotaryEmbedding
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 from radixlm.srt.model_loader.model_config import ModelConfig
@@ -18,12 +21,14 @@ from radixlm.srt.models.llama_cpu import CpuDecoderPath
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    """`cfg`: this rank's shapes (its heads; LlamaForCausalLM.local_config)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE):
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.h * self.d, self.kvh * self.d
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -59,10 +64,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
         self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,10 +81,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, rotary)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, rotary, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -103,12 +108,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # One cos/sin table (float32) shared by every layer.
         rotary = RotaryEmbedding(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The flat CPU loop over the same weights (llama_cpu.py), when the runner turned it on.
         self.cpu_path: CpuDecoderPath | None = None
@@ -135,12 +140,21 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp
+        kv_heads, self.kv_head_start = tp.kv_heads(cfg.num_kv_heads)
+        # This rank's shapes: its query heads, KV heads and MLP columns (the whole model with one rank).
+        self.local_config = dataclasses.replace(
+            cfg,
+            num_heads=tp.even(cfg.num_heads, "attention heads"),
+            num_kv_heads=kv_heads,
+            intermediate_size=tp.even(cfg.intermediate_size, "MLP columns"),
+        )
+        self.model = LlamaModel(self.local_config, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, tp.vocab_range(cfg.vocab_size)[1])
         self.ops = TORCH_OPS
         # The output projection in another form than lm_head_weight (quantized loading), when set.
         self.lm_head_quant: QuantizedMatmul | None = None
@@ -151,7 +165,9 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_cpu_path(self) -> bool:
         """Run the layers through the flat CPU loop (llama_cpu.py) from now on; False when the model holds a
-        weight form that loop does not run. Call after loading: the loop holds the loaded tensors."""
+        weight form that loop does not run, or is sharded. Call after loading: the loop holds the loaded tensors."""
+        if self.tp.size > 1:
+            return False
         self.model.cpu_path = CpuDecoderPath.build(self.model, self.config)
         return self.model.cpu_path is not None
 
@@ -173,7 +189,11 @@ class LlamaForCausalLM(nn.Module):
         return self.project(hidden)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of every row of `hidden` (final-normed hidden states)."""
+        """Float32 logits of every row of `hidden` (final-normed hidden states); sharded, every rank gets all."""
+        if self.tp.size > 1:  # each rank's vocabulary range, gathered (the last range's padding dropped)
+            head = self.lm_head if not self.config.tie_word_embeddings else None
+            local = head.product(hidden) if head is not None else self.ops.linear(hidden, self.lm_head_weight, None)
+            return self.tp.all_gather_last(local.float())[:, : self.config.vocab_size]
         if self.lm_head_quant is not None:
             return self.lm_head_quant.matmul(hidden).float()
         if not self.config.tie_word_embeddings:
@@ -191,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
     _SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}  # checkpoint tensors per fused parameter
 
     def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
-        cfg = self.config
+        cfg = self.local_config
         if fused == "qkv_proj":
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
@@ -209,6 +229,29 @@ class LlamaForCausalLM(nn.Module):
             if f".{part}." in name:
                 return name.replace(part, fused), shard, self._SHARDS[fused]
         return name, None, 1
+
+    def _rank_part(
+        self, target: str, shard: int | None, tensor: torch.Tensor, dest: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the part of a whole checkpoint tensor this rank holds, where it goes) under tensor parallelism."""
+        tp, local, d = self.tp, self.local_config, self.config.head_dim
+        param = target.split(".")[-2]
+        if param == "qkv_proj":
+            if shard == 0:
+                n = local.num_heads * d
+                return tensor[tp.rank * n : (tp.rank + 1) * n], dest
+            n = local.num_kv_heads * d
+            return tensor[self.kv_head_start * d : self.kv_head_start * d + n], dest
+        if param == "gate_up_proj":
+            n = local.intermediate_size
+            return tensor[tp.rank * n : (tp.rank + 1) * n], dest
+        if param in ("o_proj", "down_proj") and target.endswith(".weight"):
+            n = dest.shape[1]
+            return tensor[:, tp.rank * n : (tp.rank + 1) * n], dest
+        if param in ("embed_tokens", "lm_head"):
+            start, _, real = tp.vocab_range(self.config.vocab_size)
+            return tensor[start : start + real], dest[:real]
+        return tensor, dest  # norms and the row-parallel biases: whole on every rank
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], prefilled: frozenset[str] = frozenset()
@@ -233,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no place in {self.config.architecture}", param="model_path"
                 )
             dest = param.data if rows is None else param.data[rows[0] : rows[1]]
+            if self.tp.size > 1:
+                tensor, dest = self._rank_part(target, shard, tensor, dest)
             if dest.shape != tensor.shape:
                 raise ModelLoadError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}",

@@ -1,0 +1,95 @@
+"""A rank's place in its tensor-parallel group and the two collectives a sharded Llama needs: the all-reduce
+after each row-parallel projection (o, down, the vocab-parallel embedding) and the all-gather of the
+vocab-parallel logits. gloo on CPU, NCCL on GPUs, both through torch.distributed.
+
+How a model splits across `size` ranks (the peers' layout): query heads and MLP columns evenly; KV heads evenly
+when there are at least as many as ranks, else each KV head is replicated on size / kv_heads consecutive ranks;
+the vocabulary in contiguous ranges of ceil(V / size) rows (the last range padded with zero rows).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    size: int = 1
+    rank: int = 0
+    group: object | None = None  # a torch.distributed ProcessGroup when size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in place (x itself when size is 1)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x concatenated along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    # --- the layout --------------------------------------------------------------------------------------------
+    def even(self, n: int, what: str) -> int:
+        """n / size, or a ValueError naming what does not split."""
+        if n % self.size:
+            raise ValueError(f"tp_size {self.size} does not divide the model's {n} {what}")
+        return n // self.size
+
+    def kv_heads(self, kv_heads: int) -> tuple[int, int]:
+        """(KV heads on this rank, index of its first KV head in the checkpoint)."""
+        if kv_heads >= self.size:
+            local = self.even(kv_heads, "KV heads")
+            return local, self.rank * local
+        if self.size % kv_heads:
+            raise ValueError(
+                f"tp_size {self.size} neither divides nor is a multiple of the model's {kv_heads} KV heads"
+            )
+        return 1, self.rank // (self.size // kv_heads)
+
+    def vocab_range(self, vocab: int) -> tuple[int, int, int]:
+        """(first row, rows held, rows that are real) of this rank's vocabulary range."""
+        per = -(-vocab // self.size)
+        start = self.rank * per
+        return start, per, max(0, min(vocab, start + per) - start)
+
+
+SINGLE = TensorParallel()
+
+
+def init_tensor_parallel(size: int, rank: int, init_method: str, backend: str, timeout_s: float) -> TensorParallel:
+    """Join the group and prove it works with one all-reduce, within `timeout_s` seconds: start-up most often
+    hangs in this first collective (a wrong address or network interface), and a bounded wait turns that hang
+    into an error that names the likely cause."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank, timeout=timeout)
+        probe = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
+        dist.all_reduce(probe)
+    except Exception as e:  # noqa: BLE001 - the message is what matters here
+        hint = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+        raise RuntimeError(
+            f"tensor-parallel rank {rank} of {size} could not reach its group at {init_method} within "
+            f"{timeout_s:.0f} s ({type(e).__name__}: {e}); check the address and that every rank started, "
+            f"and set {hint} to the network interface the ranks share"
+        ) from None
+    if int(probe.item()) != size:
+        raise RuntimeError(f"tensor-parallel preflight all-reduce gave {probe.item()}, expected {size}")
+    logger.info("tensor parallel: rank %d of %d (%s)", rank, size, backend)
+    return TensorParallel(size, rank, dist.group.WORLD)

@@ -1,0 +1,62 @@
+"""Tensor parallelism on CPU: real processes in a gloo group, each holding its shard of a tiny random checkpoint
+(fp32), against the same checkpoint unsharded. Column-parallel qkv and gate_up, row-parallel o and down with
+an all-reduce each, a vocab-parallel embedding and LM head (logits gathered), KV heads split or replicated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from radixlm.srt.distributed.parallel import TensorParallel
+from tests.helpers import make_tiny_checkpoint
+from tests.srt.tp_worker import run_rank
+
+IDS = [1, 504, 357, 282, 464, 314, 742, 30, 198, 178, 314, 260, 357, 282, 996, 47, 2, 17]
+BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, initializer_range=0.05, vocab_size=1001)
+
+
+def _run(path, size: int, tmp_path) -> dict:
+    out = tmp_path / f"tp{size}.pt"
+    init = f"file://{tmp_path / f'rendezvous{size}'}"
+    if size == 1:
+        run_rank(0, 1, init, str(path), IDS, str(out))
+    else:
+        mp.start_processes(run_rank, args=(size, init, str(path), IDS, str(out)), nprocs=size, start_method="spawn")
+    return torch.load(out)
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize(
+    "arch,size,extra",
+    [
+        ("llama", 2, dict(num_key_value_heads=2)),
+        ("llama", 4, dict(num_key_value_heads=2)),  # 2 KV heads on 4 ranks: each replicated twice
+        ("qwen2", 2, dict(num_key_value_heads=2, tie_word_embeddings=True)),  # qkv bias; the head is the embedding
+        ("qwen3", 2, dict(num_key_value_heads=2, head_dim=16)),  # per-head q/k norm
+    ],
+)
+def test_sharded_logits_match_one_rank(arch, size, extra, tmp_path):
+    tie = extra.pop("tie_word_embeddings", False)
+    path = make_tiny_checkpoint(tmp_path / arch, arch, tie=tie, **BASE, **extra)
+    one = _run(path, 1, tmp_path)
+    many = _run(path, size, tmp_path)
+    kv = extra["num_key_value_heads"]
+    assert many["heads"] == (4 // size, max(1, kv // size))
+    for key in ("whole", "split", "decode"):
+        assert many[key].shape == one[key].shape and one[key].shape[-1] == BASE["vocab_size"]
+        assert _rel(many[key], one[key]) < 1e-5, key
+        assert torch.equal(many[key].argmax(-1), one[key].argmax(-1))
+
+
+def test_layout_and_refusals():
+    tp = TensorParallel(size=4, rank=3)
+    assert tp.kv_heads(8) == (2, 6) and tp.kv_heads(2) == (1, 1) and tp.kv_heads(1) == (1, 0)
+    assert tp.vocab_range(1001) == (753, 251, 248)
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        TensorParallel(size=2).even(9, "attention heads")
+    with pytest.raises(ValueError, match="neither divides nor is a multiple"):
+        TensorParallel(size=4).kv_heads(3)
