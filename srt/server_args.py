@@ -46,6 +46,10 @@ class ServerArgs:
         ("auto", "bf16", "fp8_e4m3"),
     )
     context_length: int | None = _opt(None, "override the model's maximum context length")
+    # Tensor parallelism
+    tp_size: int = _opt(1, "tensor-parallel ranks: one process per GPU (or N CPU processes with gloo)")
+    dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
+    dist_timeout: float = _opt(60.0, "seconds the ranks may take to meet before start-up fails with a message")
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP
     host: str = _opt("127.0.0.1", "HTTP host")
@@ -158,6 +162,10 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
         if self.max_prefill_tokens <= 0:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from radixlm.srt.distributed.ranks import start_ranks
 from radixlm.srt.errors import InvalidRequest
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.request_prep import (
@@ -20,8 +21,6 @@ from radixlm.srt.managers.request_prep import (
     per_prompt_params,
     tokenize,
 )
-from radixlm.srt.model_executor.model_runner import ModelRunner
-from radixlm.srt.model_loader.loader import load_model
 from radixlm.srt.scheduler.req import Req
 from radixlm.srt.scheduler.scheduler import Scheduler
 from radixlm.srt.server_args import ServerArgs
@@ -39,19 +38,8 @@ class Engine:
         self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         torch.manual_seed(args.random_seed)
-        self.loaded = load_model(
-            args.model_path,
-            tokenizer_path=args.tokenizer_path,
-            dtype=args.dtype,
-            device=args.device,
-            context_length=args.context_length,
-            served_model_name=args.served_model_name,
-            load_format=args.load_format,
-            quantization=args.quantization,
-            fp8_lm_head=args.fp8_lm_head,
-        )
+        self.loaded, self.runner, self._ranks = start_ranks(args, args.model_path, args.tokenizer_path)
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(self.loaded, args)
         self.scheduler = Scheduler(self.runner, self.tokenizer, args)
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self._rng = random.Random(args.random_seed)
@@ -228,7 +216,10 @@ class Engine:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
-        """Nothing runs in the background; kept for API parity with SGLang's Engine."""
+        """Stops the tensor-parallel worker ranks, if any (with one rank nothing runs in the background)."""
+        if self._ranks is not None:
+            self._ranks.stop()
+            self._ranks = None
 
     def __enter__(self):
         return self

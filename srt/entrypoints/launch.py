@@ -61,7 +61,10 @@ class ServerProcesses:
         }
         for name, (fn, fn_args) in targets.items():
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=fn, args=(*fn_args, send), name=f"radixlm-{name}", daemon=True)
+            # A tensor-parallel scheduler starts its worker ranks itself, which a daemonic process may not do; it
+            # dies with this process all the same (die_with_parent).
+            daemon = not (name == "scheduler" and self.args.tp_size > 1)
+            proc = ctx.Process(target=fn, args=(*fn_args, send), name=f"radixlm-{name}", daemon=daemon)
             proc.start()
             send.close()
             self.procs[name], pipes[name] = proc, recv

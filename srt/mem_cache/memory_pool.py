@@ -25,6 +25,8 @@ class ReqToTokenPool:
             self.req_to_token if device.type == "cpu" else torch.zeros((size + 1, max_context_len), dtype=torch.int32)
         )
         self._free = list(range(size - 1, -1, -1))
+        # Under tensor parallelism rank 0 records its writes here, for the other ranks' copies of the table.
+        self.journal: list | None = None
 
     def alloc(self) -> int | None:
         return self._free.pop() if self._free else None
@@ -36,6 +38,8 @@ class ReqToTokenPool:
         return len(self._free)
 
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
+        if self.journal is not None:
+            self.journal.append(("write", (idx, start, slots.clone())))
         self.host[idx, start : start + len(slots)] = slots
         if self.host is not self.req_to_token:
             self.req_to_token[idx, start : start + len(slots)] = to_device(
@@ -44,6 +48,8 @@ class ReqToTokenPool:
 
     def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """req_to_token[rows[i], cols[i]] = slots[i] (host tensors)."""
+        if self.journal is not None:
+            self.journal.append(("write_many", (rows.clone(), cols.clone(), slots.clone())))
         self.host[rows, cols] = slots.to(torch.int32)
         if self.host is not self.req_to_token:
             packed = to_device(torch.stack([rows, cols, slots.to(torch.int64)]), self.req_to_token.device)

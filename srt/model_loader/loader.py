@@ -134,17 +134,19 @@ def load_model(
         config = dataclasses.replace(config, context_length=context_length)
     dev = resolve_device(device)
     run_dtype = resolve_dtype(dtype, config, dev)
+    requested = quantization
     quantization = resolve_quantization(quantization, ckpt, dev, load_format)
+    if tp.size > 1 and requested == "auto" and quantization == "gguf":
+        quantization = "none"  # a GGUF's blocks are not sharded: ranks dequantize their part
     if fp8_lm_head and quantization != "fp8":
         raise ModelLoadError(
             f"fp8_lm_head needs --quantization fp8 (this load resolved to {quantization})", param="fp8_lm_head"
         )
     fp8 = quantization == "fp8"
-    if tp.size > 1 and (quantization != "none" or isinstance(ckpt, GGUFCheckpoint)):
+    if tp.size > 1 and quantization != "none":
         raise ModelLoadError(
-            f"tp_size {tp.size} runs Hugging Face checkpoints in bf16/fp16/fp32 for now (this load: "
-            f"{'a GGUF file' if isinstance(ckpt, GGUFCheckpoint) else 'quantization ' + quantization}); "
-            "use --quantization none with a safetensors checkpoint",
+            f"tp_size {tp.size} runs weights in bf16/fp16/fp32 for now (GGUF files dequantized), not "
+            f"quantization {quantization}: use --quantization none",
             param="tp_size",
         )
     model_cls = MODEL_REGISTRY[config.architecture]

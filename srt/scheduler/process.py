@@ -13,6 +13,7 @@ import zmq
 
 from radixlm.srt import env
 from radixlm.srt.cpu_guard import CpuGuard, cpu_list, guard_wanted, read_lost_ticks
+from radixlm.srt.distributed.ranks import start_ranks
 from radixlm.srt.errors import RadixLMError
 from radixlm.srt.managers.io_struct import (
     AbortReq,
@@ -25,8 +26,7 @@ from radixlm.srt.managers.io_struct import (
     TokenOutput,
 )
 from radixlm.srt.managers.request_prep import stop_token_ids
-from radixlm.srt.model_executor.model_runner import ModelRunner
-from radixlm.srt.model_loader.loader import LoadedModel, load_model
+from radixlm.srt.model_loader.loader import LoadedModel
 from radixlm.srt.sampling.sampling_params import SamplingParams
 from radixlm.srt.scheduler.req import Req
 from radixlm.srt.scheduler.scheduler import Scheduler
@@ -48,18 +48,7 @@ def run_scheduler_process(
         os.sched_setaffinity(0, cpu_list(args.scheduler_cpus))
         logger.info("scheduler pinned to CPUs %s", args.scheduler_cpus)
     try:
-        loaded = load_model(
-            model_path,
-            tokenizer_path=tokenizer_path,
-            dtype=args.dtype,
-            device=args.device,
-            context_length=args.context_length,
-            served_model_name=args.served_model_name,
-            load_format=args.load_format,
-            quantization=args.quantization,
-            fp8_lm_head=args.fp8_lm_head,
-        )
-        runner = ModelRunner(loaded, args)
+        loaded, runner, _ranks = start_ranks(args, model_path, tokenizer_path)
         if runner.device.type == "cuda" and not env.OMP_NUM_THREADS.is_set():
             # Host tensors here are bookkeeping (slot lists, sampling parameters). A pool of OpenMP threads
             # spinning after each parallel op would take cores from the other server processes and stall this

@@ -1,0 +1,212 @@
+"""Serving with tensor parallelism: one decision per step.
+
+Rank 0 runs the only scheduler (admission, radix cache, grammar masks, sampling). Before each forward it
+broadcasts a step record over a gloo group: the batch (`BatchSpec`) and the request-table writes made since the
+last step (the slot numbers the attention kernels read). Ranks 1..N-1 run `worker_loop`: apply the writes, run
+the same forward, whose all-reduces and all-gather pair with rank 0's. Nothing a worker computes on its own
+can change a batch. Workers start with rank 0 (`spawn_workers`), build their shard the same way and capture
+the same graphs, and die with it; rank 0 watches them (`watch_workers`) and ends the server when one dies.
+
+Ranks do not overlap scheduling yet: the overlap loop hands sampled ids to the next step on the device
+(futures), which a worker would have to receive too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from radixlm.srt.distributed.parallel import SINGLE, TensorParallel, init_tensor_parallel
+
+logger = logging.getLogger(__name__)
+
+_STOP = "stop"
+_FORWARD = "forward"
+_IDLE = datetime.timedelta(days=30)  # a worker waits for the next step as long as the server is up
+
+
+def free_init_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def backend_for(device: str) -> str:
+    return "gloo" if device == "cpu" or (device == "auto" and not torch.cuda.is_available()) else "nccl"
+
+
+class StepSender:
+    """Rank 0's side: every forward of its runner is first announced to the workers."""
+
+    def __init__(self, runner, tp: TensorParallel, control, procs: list):
+        self.runner, self.tp, self.control, self.procs = runner, tp, control, procs
+        self.journal: list = []
+        runner.req_to_token_pool.journal = self.journal
+        self._run_forward = runner.run_forward
+        runner.run_forward = self.run_forward
+
+    def _send(self, record) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([record], src=0, group=self.control)
+
+    def run_forward(self, spec):
+        writes, self.journal[:] = list(self.journal), []
+        self._send((_FORWARD, writes, spec))
+        return self._run_forward(spec)
+
+    def stop(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            self._send((_STOP, [], None))
+        except Exception:  # noqa: BLE001 - a worker already gone
+            pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def worker_loop(runner, control) -> None:
+    """Ranks 1..N-1: run rank 0's forwards until it says stop."""
+    import torch.distributed as dist
+
+    pool = runner.req_to_token_pool
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        kind, writes, spec = box[0]
+        if kind == _STOP:
+            return
+        for method, args in writes:
+            getattr(pool, method)(*args)
+        runner.run_forward(spec)
+
+
+def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_path, parent_pid: int) -> None:
+    from radixlm.srt.utils import configure_logging, die_with_parent
+
+    die_with_parent()
+    configure_logging(args.log_level, f"[tp rank {rank}] ")
+    try:
+        tp, control = join(size, rank, init, args)
+        loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
+        worker_loop(runner, control)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    except Exception:  # the log names the rank; rank 0 sees the exit and ends the server
+        logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        sys.exit(1)
+
+
+def rank_device(args, rank: int) -> str:
+    """Rank r of a GPU group runs on cuda:r (of the devices CUDA_VISIBLE_DEVICES shows)."""
+    return f"cuda:{rank}" if backend_for(args.device) == "nccl" else args.device
+
+
+def join(size: int, rank: int, init: str, args) -> tuple[TensorParallel, object]:
+    import torch.distributed as dist
+
+    if backend_for(args.device) == "nccl":
+        torch.cuda.set_device(rank)
+    tp = init_tensor_parallel(size, rank, init, backend_for(args.device), args.dist_timeout)
+    control = dist.new_group(backend="gloo", timeout=_IDLE)  # step records: CPU objects, waited on while idle
+    return tp, control
+
+
+def build_runner(args, model_path, tokenizer_path, tp: TensorParallel):
+    from radixlm.srt.model_executor.model_runner import ModelRunner
+    from radixlm.srt.model_loader.loader import load_model
+
+    loaded = load_model(
+        model_path,
+        tokenizer_path=tokenizer_path,
+        dtype=args.dtype,
+        device=rank_device(args, tp.rank),
+        context_length=args.context_length,
+        served_model_name=args.served_model_name,
+        load_format=args.load_format,
+        quantization=args.quantization,
+        fp8_lm_head=args.fp8_lm_head,
+        tp=tp,
+    )
+    return loaded, ModelRunner(loaded, args)
+
+
+def start_ranks(args, model_path, tokenizer_path):
+    """Rank 0's model and runner; with tp_size > 1 the workers are started first and a StepSender ships every
+    forward to them. Returns (loaded, runner, sender or None)."""
+    if args.tp_size == 1:
+        loaded, runner = build_runner(args, model_path, tokenizer_path, SINGLE)
+        return loaded, runner, None
+    check_layout(args, model_path)
+    init = args.dist_init_addr or free_init_addr()
+    if not init.startswith(("tcp://", "file://")):
+        init = f"tcp://{init}"
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            args=(rank, args.tp_size, init, args, model_path, tokenizer_path, os.getpid()),
+            name=f"radixlm-tp{rank}",
+            daemon=True,
+        )
+        for rank in range(1, args.tp_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        tp, control = join(args.tp_size, 0, init, args)
+        loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    sender = StepSender(runner, tp, control, procs)
+    watch_workers(procs)
+    return loaded, runner, sender
+
+
+def check_layout(args, model_path) -> None:
+    """Configurations that cannot run, refused before any rank starts: a model whose heads, KV heads or MLP
+    columns do not split tp_size ways, more ranks than visible GPUs."""
+    from radixlm.srt.model_loader.loader import open_checkpoint
+
+    cfg = open_checkpoint(model_path, dummy=args.load_format == "dummy")[0].config
+    for rank in range(args.tp_size):
+        tp = TensorParallel(size=args.tp_size, rank=rank)
+        tp.even(cfg.num_heads, "attention heads")
+        tp.kv_heads(cfg.num_kv_heads)
+        tp.even(cfg.intermediate_size, "MLP columns")
+    if backend_for(args.device) == "nccl" and torch.cuda.device_count() < args.tp_size:
+        raise ValueError(f"tp_size {args.tp_size} needs as many GPUs; {torch.cuda.device_count()} are visible")
+
+
+def watch_workers(procs: list, interval_s: float = 0.5) -> None:
+    """End this process (non-zero) when a worker rank dies: its peers would wait for it in the next collective."""
+
+    def watch():
+        while True:
+            for p in procs:
+                if p.exitcode is not None and p.exitcode != 0:
+                    logger.error("tensor-parallel rank %s exited with %s; stopping the server", p.name, p.exitcode)
+                    for q in procs:
+                        if q.is_alive():
+                            q.kill()
+                    os._exit(1)
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, name="tp-watch", daemon=True).start()

@@ -1,0 +1,119 @@
+"""`radixlm serve --tp-size 3` on the embedded model (9 attention heads, 3 KV heads: one KV head per rank): three
+real processes in a gloo group behind one scheduler. Its OpenAI answers at temperature 0 are the unsharded
+server's (the shared fp32 `server` fixture: tensor-parallel ranks dequantize the GGUF too), streamed or not,
+with logprobs and a JSON schema; a client that drops its stream leaves it serving. A killed rank (of a tiny
+checkpoint's two) ends the server non-zero within 10 s with no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.helpers import ServerProcess, pid_alive
+
+MODEL = "SmolLM2-135M-Instruct"
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tp_server():
+    srv = ServerProcess("--tp-size", "3", "--max-total-tokens", "20000")
+    yield srv
+    assert srv.stop() == 0
+
+
+def _client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(srv, content: str, **kw):
+    return _client(srv).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, **kw
+    )
+
+
+def test_answers_as_one_rank_does(tp_server, server):
+    for content in ("What is the capital of France?", "List three fruits."):
+        one = _chat(server, content, max_tokens=24, logprobs=True, top_logprobs=3)
+        many = _chat(tp_server, content, max_tokens=24, logprobs=True, top_logprobs=3)
+        assert many.choices[0].message.content == one.choices[0].message.content
+        for a, b in zip(many.choices[0].logprobs.content, one.choices[0].logprobs.content):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-3
+            assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    one = _chat(server, "Weather in Paris as JSON.", max_tokens=48, response_format=rf)
+    many = _chat(tp_server, "Weather in Paris as JSON.", max_tokens=48, response_format=rf)
+    assert many.choices[0].message.content == one.choices[0].message.content
+    assert set(json.loads(many.choices[0].message.content)) == {"city", "sunny"}
+
+
+def test_stream_and_abort(tp_server):
+    whole = _chat(tp_server, "Tell me about the moon.", max_tokens=32).choices[0].message.content
+    stream = _chat(tp_server, "Tell me about the moon.", max_tokens=32, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    dropped = _chat(tp_server, "Count from one to one hundred.", max_tokens=200, stream=True)
+    for i, _ in enumerate(dropped):
+        if i == 3:
+            break
+    dropped.close()  # the scheduler aborts it; every rank goes on with the next batch
+    again = _chat(tp_server, "Tell me about the moon.", max_tokens=32).choices[0].message.content
+    assert again == whole
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def test_a_killed_rank_ends_the_server(tiny_dirs):
+    srv = ServerProcess("--model-path", str(tiny_dirs["llama"]), "--tp-size", "2", "--max-total-tokens", "4096")
+    try:
+        everyone = _descendants(srv.proc.pid)
+        workers = [p for p in everyone if p not in _children(srv.proc.pid) and _is_spawned(p)]
+        assert len(workers) == 1, everyone  # rank 1, a child of the scheduler process
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        code = srv.proc.wait(timeout=10)
+        assert code != 0 and time.monotonic() - start < 10
+        deadline = time.monotonic() + 5
+        while any(pid_alive(p) for p in everyone) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in everyone if pid_alive(p)]
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(k) for k in f.read().split()]
+
+
+def _is_spawned(pid: int) -> bool:
+    """A multiprocessing child (not its resource tracker)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except OSError:
+        return False
