@@ -50,6 +50,8 @@ class ServerArgs:
     tp_size: int = _opt(1, "tensor-parallel ranks: one process per GPU (or N CPU processes with gloo)")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
     dist_timeout: float = _opt(60.0, "seconds the ranks may take to meet before start-up fails with a message")
+    nnodes: int = _opt(1, "hosts the tp_size ranks span (tp_size / nnodes ranks on each)")
+    node_rank: int = _opt(0, "this host's index: node 0 serves HTTP and schedules, the others run ranks only")
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP
     host: str = _opt("127.0.0.1", "HTTP host")
@@ -166,6 +168,12 @@ class ServerArgs:
             raise ValueError(f"tp_size must be at least 1, got {self.tp_size}")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} (ranks per host)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs --dist-init-addr host:port (node 0's address, reachable by all)")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
         if self.max_prefill_tokens <= 0:

@@ -112,16 +112,23 @@ def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_pa
         sys.exit(1)
 
 
+def local_ranks(args) -> range:
+    """The ranks this host runs: tp_size / nnodes consecutive ones per host."""
+    per = args.tp_size // args.nnodes
+    return range(args.node_rank * per, (args.node_rank + 1) * per)
+
+
 def rank_device(args, rank: int) -> str:
-    """Rank r of a GPU group runs on cuda:r (of the devices CUDA_VISIBLE_DEVICES shows)."""
-    return f"cuda:{rank}" if backend_for(args.device) == "nccl" else args.device
+    """A GPU rank runs on cuda:i, i its index among its host's ranks (of the devices CUDA_VISIBLE_DEVICES
+    shows)."""
+    return f"cuda:{rank - local_ranks(args).start}" if backend_for(args.device) == "nccl" else args.device
 
 
 def join(size: int, rank: int, init: str, args) -> tuple[TensorParallel, object]:
     import torch.distributed as dist
 
     if backend_for(args.device) == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank_device(args, rank))
     tp = init_tensor_parallel(size, rank, init, backend_for(args.device), args.dist_timeout)
     control = dist.new_group(backend="gloo", timeout=_IDLE)  # step records: CPU objects, waited on while idle
     return tp, control
@@ -153,21 +160,8 @@ def start_ranks(args, model_path, tokenizer_path):
         loaded, runner = build_runner(args, model_path, tokenizer_path, SINGLE)
         return loaded, runner, None
     check_layout(args, model_path)
-    init = args.dist_init_addr or free_init_addr()
-    if not init.startswith(("tcp://", "file://")):
-        init = f"tcp://{init}"
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_worker_main,
-            args=(rank, args.tp_size, init, args, model_path, tokenizer_path, os.getpid()),
-            name=f"radixlm-tp{rank}",
-            daemon=True,
-        )
-        for rank in range(1, args.tp_size)
-    ]
-    for p in procs:
-        p.start()
+    init = init_address(args)
+    procs = spawn_ranks(args, [r for r in local_ranks(args) if r != 0], init, model_path, tokenizer_path)
     try:
         tp, control = join(args.tp_size, 0, init, args)
         loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
@@ -178,6 +172,66 @@ def start_ranks(args, model_path, tokenizer_path):
     sender = StepSender(runner, tp, control, procs)
     watch_workers(procs)
     return loaded, runner, sender
+
+
+def init_address(args) -> str:
+    init = args.dist_init_addr or free_init_addr()
+    return init if init.startswith(("tcp://", "file://")) else f"tcp://{init}"
+
+
+def spawn_ranks(args, ranks, init: str, model_path, tokenizer_path) -> list:
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            args=(rank, args.tp_size, init, args, model_path, tokenizer_path, os.getpid()),
+            name=f"radixlm-tp{rank}",
+            daemon=True,
+        )
+        for rank in ranks
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_worker_node(args, model_path, tokenizer_path) -> int:
+    """A host other than node 0 (--node-rank k > 0): its ranks only, and a /health stub on --host:--port that
+    answers 200 while they all run. Returns the exit code: 0 once rank 0 has stopped them, 1 when one failed."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    check_layout(args, model_path)
+    procs = spawn_ranks(args, list(local_ranks(args)), init_address(args), model_path, tokenizer_path)
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            ok = self.path == "/health" and all(p.is_alive() for p in procs)
+            self.send_response(200 if ok else 503)
+            self.end_headers()
+            self.wfile.write(b"ok" if ok else b"ranks not running")
+
+        def log_message(self, *_):
+            pass
+
+    http = ThreadingHTTPServer((args.host, args.port), Health)
+    threading.Thread(target=http.serve_forever, name="health", daemon=True).start()
+    logger.info("node %d of %d: ranks %s, /health on %s:%d", args.node_rank, args.nnodes, list(local_ranks(args)),
+                args.host, args.port)  # fmt: skip
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                bad = [p.name for p in procs if p.exitcode not in (None, 0)]
+                logger.error("tensor-parallel %s exited with an error; stopping this node", ", ".join(bad))
+                return 1
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    finally:
+        http.shutdown()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
 
 
 def check_layout(args, model_path) -> None:
@@ -191,8 +245,9 @@ def check_layout(args, model_path) -> None:
         tp.even(cfg.num_heads, "attention heads")
         tp.kv_heads(cfg.num_kv_heads)
         tp.even(cfg.intermediate_size, "MLP columns")
-    if backend_for(args.device) == "nccl" and torch.cuda.device_count() < args.tp_size:
-        raise ValueError(f"tp_size {args.tp_size} needs as many GPUs; {torch.cuda.device_count()} are visible")
+    per = args.tp_size // args.nnodes
+    if backend_for(args.device) == "nccl" and torch.cuda.device_count() < per:
+        raise ValueError(f"{per} ranks on this host need as many GPUs; {torch.cuda.device_count()} are visible")
 
 
 def watch_workers(procs: list, interval_s: float = 0.5) -> None:

@@ -129,6 +129,14 @@ def launch_server(args: ServerArgs) -> int:
     except RadixLMError as e:
         logger.error("cannot load the model: %s", e)
         return 2
+    if args.node_rank > 0:  # a host that only runs tensor-parallel ranks
+        from radixlm.srt.distributed.ranks import run_worker_node
+
+        try:
+            return run_worker_node(args, resolved.model_path, resolved.tokenizer_path)
+        except (ValueError, KeyboardInterrupt) as e:
+            logger.error("%s", e)
+            return 1
     procs = ServerProcesses(args)
     try:
         info = procs.start(resolved.model_path, resolved.tokenizer_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -48,7 +49,7 @@ def run_scheduler_process(
         os.sched_setaffinity(0, cpu_list(args.scheduler_cpus))
         logger.info("scheduler pinned to CPUs %s", args.scheduler_cpus)
     try:
-        loaded, runner, _ranks = start_ranks(args, model_path, tokenizer_path)
+        loaded, runner, ranks = start_ranks(args, model_path, tokenizer_path)
         if runner.device.type == "cuda" and not env.OMP_NUM_THREADS.is_set():
             # Host tensors here are bookkeeping (slot lists, sampling parameters). A pool of OpenMP threads
             # spinning after each parallel op would take cores from the other server processes and stall this
@@ -79,11 +80,18 @@ def run_scheduler_process(
             "quantization": loaded.quantization,
         }
     )
+    if ranks is not None:
+        # The launcher stops this process with SIGTERM: finish the step, then stop the other ranks cleanly
+        # (a rank on another host would otherwise see its peer vanish and fail).
+        signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "running", False))
     try:
         loop.run()
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         sys.exit(1)
+    finally:
+        if ranks is not None:
+            ranks.stop()
 
 
 class SchedulerLoop:

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -43,6 +44,8 @@ def _chat(srv, content: str, **kw):
 
 
 def test_answers_as_one_rank_does(tp_server, server):
+    info = httpx.get(f"{tp_server.url}/get_server_info", timeout=30).json()
+    assert info["scheduler"]["tp_size"] == 3 and info["server_args"]["tp_size"] == 3
     for content in ("What is the capital of France?", "List three fruits."):
         one = _chat(server, content, max_tokens=24, logprobs=True, top_logprobs=3)
         many = _chat(tp_server, content, max_tokens=24, logprobs=True, top_logprobs=3)
