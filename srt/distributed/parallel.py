@@ -32,6 +32,16 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (a start-up decision all ranks must share)."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend(self.group) == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x concatenated along the last dimension, in rank order."""
         if self.size == 1:

@@ -7,8 +7,8 @@ the same forward, whose all-reduces and all-gather pair with rank 0's. Nothing a
 can change a batch. Workers start with rank 0 (`spawn_workers`), build their shard the same way and capture
 the same graphs, and die with it; rank 0 watches them (`watch_workers`) and ends the server when one dies.
 
-Ranks do not overlap scheduling yet: the overlap loop hands sampled ids to the next step on the device
-(futures), which a worker would have to receive too.
+Under overlap scheduling a step's input ids may be the previous step's sampled ids, still on the device
+(futures): rank 0 broadcasts them to the other ranks' future maps as it stores its own.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _STOP = "stop"
 _FORWARD = "forward"
+_FUTURES = "futures"
 _IDLE = datetime.timedelta(days=30)  # a worker waits for the next step as long as the server is up
 
 
@@ -53,6 +54,8 @@ class StepSender:
         runner.req_to_token_pool.journal = self.journal
         self._run_forward = runner.run_forward
         runner.run_forward = self.run_forward
+        self._store_futures = runner.store_futures
+        runner.store_futures = self.store_futures
 
     def _send(self, record) -> None:
         import torch.distributed as dist
@@ -63,6 +66,15 @@ class StepSender:
         writes, self.journal[:] = list(self.journal), []
         self._send((_FORWARD, writes, spec))
         return self._run_forward(spec)
+
+    def store_futures(self, ids: torch.Tensor) -> int:
+        """Overlap scheduling: the sampled ids a later step reads on the device go to every rank (the ids
+        themselves over the device group, after the announcement)."""
+        import torch.distributed as dist
+
+        self._send((_FUTURES, [], (ids.shape[0], ids.dtype)))
+        dist.broadcast(ids.contiguous(), src=0, group=self.tp.group)
+        return self._store_futures(ids)
 
     def stop(self) -> None:
         import torch.distributed as dist
@@ -79,8 +91,9 @@ class StepSender:
             dist.destroy_process_group()
 
 
-def worker_loop(runner, control) -> None:
-    """Ranks 1..N-1: run rank 0's forwards until it says stop."""
+def worker_loop(runner, control, tp_group) -> None:
+    """Ranks 1..N-1: run rank 0's forwards (and keep its sampled ids where the next steps read them) until it
+    says stop."""
     import torch.distributed as dist
 
     pool = runner.req_to_token_pool
@@ -90,6 +103,12 @@ def worker_loop(runner, control) -> None:
         kind, writes, spec = box[0]
         if kind == _STOP:
             return
+        if kind == _FUTURES:
+            n, dtype = spec
+            ids = torch.empty(n, dtype=dtype, device=runner.device)
+            dist.broadcast(ids, src=0, group=tp_group)
+            runner.store_futures(ids)
+            continue
         for method, args in writes:
             getattr(pool, method)(*args)
         runner.run_forward(spec)
@@ -103,7 +122,7 @@ def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_pa
     try:
         tp, control = join(size, rank, init, args)
         loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
-        worker_loop(runner, control)
+        worker_loop(runner, control, tp.group)
         import torch.distributed as dist
 
         dist.destroy_process_group()

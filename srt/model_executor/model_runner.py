@@ -86,6 +86,9 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device, self.attn_backend_name)
         bytes_per_token = self.config.kv_bytes_per_token * torch.tensor([], dtype=self.kv_dtype).element_size()
         self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens(bytes_per_token, args)
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and tp.size > 1:  # every rank's pool must hold the slots rank 0 hands out
+            self.max_total_tokens = tp.all_reduce_min(self.max_total_tokens)
         if self.max_total_tokens < 16:
             raise ValueError(f"KV cache of {self.max_total_tokens} tokens is too small")
         default_running = 128 if self.device.type == "cpu" else 1024

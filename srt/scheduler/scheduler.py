@@ -75,11 +75,8 @@ class Scheduler:
         self.max_prefill_tokens = args.max_prefill_tokens
         self.conservativeness = args.schedule_conservativeness
         # Overlap pays off only where the forward runs asynchronously to the host (CUDA).
-        # Not with tensor parallelism yet: the other ranks would need each step's sampled ids (srt/distributed).
-        self.overlap = (
-            not args.disable_overlap_schedule
-            and (runner.device.type == "cuda" or args.force_overlap_schedule)
-            and args.tp_size == 1
+        self.overlap = not args.disable_overlap_schedule and (
+            runner.device.type == "cuda" or args.force_overlap_schedule
         )
         self.mixed_chunk = args.enable_mixed_chunk
         # While streams decode, a step takes at most this many prompt tokens and the decodes ride along: on a CPU

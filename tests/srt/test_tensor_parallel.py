@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import radixlm
 from radixlm.srt.distributed.parallel import TensorParallel
 from tests.helpers import make_tiny_checkpoint
 from tests.srt.tp_worker import run_rank
@@ -60,3 +61,28 @@ def test_layout_and_refusals():
         TensorParallel(size=2).even(9, "attention heads")
     with pytest.raises(ValueError, match="neither divides nor is a multiple"):
         TensorParallel(size=4).kv_heads(3)
+
+
+def test_engine_with_two_ranks_and_overlap_answers_as_one(tmp_path):
+    """One scheduler deciding for two ranks, overlap scheduling forced (the CUDA default): each decode step's
+    input ids are the previous step's sampled ids on the device, which rank 0 broadcasts to the other rank's
+    futures. Greedy and seeded sampled answers equal one rank's, twice over (the second time from the radix
+    cache)."""
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama", num_key_value_heads=2, **BASE)
+    prompts = [[1, 5, 7, 9, 11], [3, 4, 5], [100, 200, 300, 400, 500, 600]]
+    sp = [
+        {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+        {"temperature": 0.8, "seed": 3, "max_new_tokens": 16, "ignore_eos": True},
+        {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True},
+    ]
+    kw = dict(log_level="warning", max_total_tokens=1024, dtype="float32", force_overlap_schedule=True)
+    one = radixlm.Engine(str(path), **kw)
+    want = [o["output_ids"] for o in one.generate(input_ids=prompts, sampling_params=sp)]
+    one.shutdown()
+    two = radixlm.Engine(str(path), tp_size=2, **kw)
+    try:
+        assert two.scheduler.overlap and two.runner.model.tp.size == 2
+        for _ in range(2):
+            assert [o["output_ids"] for o in two.generate(input_ids=prompts, sampling_params=sp)] == want
+    finally:
+        two.shutdown()
