@@ -50,6 +50,9 @@ class ServerArgs:
     tp_size: int = _opt(1, "tensor-parallel ranks: one process per GPU (or N CPU processes with gloo)")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
     dist_timeout: float = _opt(60.0, "seconds the ranks may take to meet before start-up fails with a message")
+    tp_check_batches: bool = _opt(
+        False, "debug: every rank hashes the batch it is about to run; a difference stops the server with an error"
+    )
     nnodes: int = _opt(1, "hosts the tp_size ranks span (tp_size / nnodes ranks on each)")
     node_rank: int = _opt(0, "this host's index: node 0 serves HTTP and schedules, the others run ranks only")
     random_seed: int = _opt(0, "seed for anything not seeded per request")

@@ -14,6 +14,7 @@ Under overlap scheduling a step's input ids may be the previous step's sampled i
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -45,11 +46,43 @@ def backend_for(device: str) -> str:
     return "gloo" if device == "cpu" or (device == "auto" and not torch.cuda.is_available()) else "nccl"
 
 
+def batch_digest(runner, spec) -> str:
+    """What a rank is about to compute, in 16 hex digits: the batch and this rank's request-table entries for it
+    (what its attention kernels will read)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in (spec.mode.name, spec.input_ids, spec.positions, spec.req_pool_indices, spec.seq_lens,
+                 spec.logits_indices, spec.extend_prefix_lens, spec.extend_seq_lens):  # fmt: skip
+        h.update(repr(part).encode())
+    h.update(spec.out_cache_loc.numpy().tobytes())
+    table = runner.req_to_token_pool.host
+    for row, n in zip(spec.req_pool_indices, spec.seq_lens):
+        h.update(table[row, :n].numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_batch(runner, spec, control) -> None:
+    """--tp-check-batches: every rank's digest of the step, compared on every rank; a difference is an error
+    naming the ranks (their next collective would otherwise mix different batches, or hang)."""
+    import torch.distributed as dist
+
+    mine = batch_digest(runner, spec)
+    digests = [None] * dist.get_world_size(control)
+    dist.all_gather_object(digests, mine, group=control)
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(
+            f"tensor-parallel ranks disagree on the batch they are about to run (ranks {odd} differ from rank 0: "
+            f"{digests}); a rank-local state changed a step"
+        )
+
+
 class StepSender:
     """Rank 0's side: every forward of its runner is first announced to the workers."""
 
     def __init__(self, runner, tp: TensorParallel, control, procs: list):
         self.runner, self.tp, self.control, self.procs = runner, tp, control, procs
+        self.dead: str | None = None  # set by watch_workers
+        self.stopped = False
         self.journal: list = []
         runner.req_to_token_pool.journal = self.journal
         self._run_forward = runner.run_forward
@@ -60,11 +93,15 @@ class StepSender:
     def _send(self, record) -> None:
         import torch.distributed as dist
 
+        if self.dead is not None and record[0] != _STOP:
+            raise RuntimeError(self.dead)
         dist.broadcast_object_list([record], src=0, group=self.control)
 
     def run_forward(self, spec):
         writes, self.journal[:] = list(self.journal), []
         self._send((_FORWARD, writes, spec))
+        if self.runner.server_args.tp_check_batches:
+            check_batch(self.runner, spec, self.control)
         return self._run_forward(spec)
 
     def store_futures(self, ids: torch.Tensor) -> int:
@@ -79,6 +116,7 @@ class StepSender:
     def stop(self) -> None:
         import torch.distributed as dist
 
+        self.stopped = True
         try:
             self._send((_STOP, [], None))
         except Exception:  # noqa: BLE001 - a worker already gone
@@ -111,6 +149,8 @@ def worker_loop(runner, control, tp_group) -> None:
             continue
         for method, args in writes:
             getattr(pool, method)(*args)
+        if runner.server_args.tp_check_batches:
+            check_batch(runner, spec, control)
         runner.run_forward(spec)
 
 
@@ -172,9 +212,10 @@ def build_runner(args, model_path, tokenizer_path, tp: TensorParallel):
     return loaded, ModelRunner(loaded, args)
 
 
-def start_ranks(args, model_path, tokenizer_path):
+def start_ranks(args, model_path, tokenizer_path, exit_on_rank_death: bool = False):
     """Rank 0's model and runner; with tp_size > 1 the workers are started first and a StepSender ships every
-    forward to them. Returns (loaded, runner, sender or None)."""
+    forward to them. Returns (loaded, runner, sender or None). `exit_on_rank_death`: the server's scheduler
+    process ends when a worker rank dies (see watch_workers)."""
     if args.tp_size == 1:
         loaded, runner = build_runner(args, model_path, tokenizer_path, SINGLE)
         return loaded, runner, None
@@ -189,7 +230,7 @@ def start_ranks(args, model_path, tokenizer_path):
             p.kill()
         raise
     sender = StepSender(runner, tp, control, procs)
-    watch_workers(procs)
+    watch_workers(sender, exit_on_rank_death)
     return loaded, runner, sender
 
 
@@ -269,18 +310,22 @@ def check_layout(args, model_path) -> None:
         raise ValueError(f"{per} ranks on this host need as many GPUs; {torch.cuda.device_count()} are visible")
 
 
-def watch_workers(procs: list, interval_s: float = 0.5) -> None:
-    """End this process (non-zero) when a worker rank dies: its peers would wait for it in the next collective."""
+def watch_workers(sender: StepSender, exit_process: bool, interval_s: float = 0.5) -> None:
+    """When a worker rank dies, its peers would wait for it in the next collective. In the server's scheduler
+    process (`exit_process`) that ends the process, non-zero; in an in-process Engine the next step raises."""
 
     def watch():
-        while True:
-            for p in procs:
+        while not sender.stopped:
+            for p in sender.procs:
                 if p.exitcode is not None and p.exitcode != 0:
-                    logger.error("tensor-parallel rank %s exited with %s; stopping the server", p.name, p.exitcode)
-                    for q in procs:
+                    sender.dead = f"tensor-parallel rank {p.name} exited with {p.exitcode}"
+                    logger.error("%s; stopping", sender.dead)
+                    for q in sender.procs:
                         if q.is_alive():
                             q.kill()
-                    os._exit(1)
+                    if exit_process:
+                        os._exit(1)
+                    return
             time.sleep(interval_s)
 
     threading.Thread(target=watch, name="tp-watch", daemon=True).start()

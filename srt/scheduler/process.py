@@ -49,7 +49,7 @@ def run_scheduler_process(
         os.sched_setaffinity(0, cpu_list(args.scheduler_cpus))
         logger.info("scheduler pinned to CPUs %s", args.scheduler_cpus)
     try:
-        loaded, runner, ranks = start_ranks(args, model_path, tokenizer_path)
+        loaded, runner, ranks = start_ranks(args, model_path, tokenizer_path, exit_on_rank_death=True)
         if runner.device.type == "cuda" and not env.OMP_NUM_THREADS.is_set():
             # Host tensors here are bookkeeping (slot lists, sampling parameters). A pool of OpenMP threads
             # spinning after each parallel op would take cores from the other server processes and stall this

@@ -86,3 +86,28 @@ def test_engine_with_two_ranks_and_overlap_answers_as_one(tmp_path):
             assert [o["output_ids"] for o in two.generate(input_ids=prompts, sampling_params=sp)] == want
     finally:
         two.shutdown()
+
+
+def test_check_batches_catches_a_rank_local_difference(tmp_path):
+    """--tp-check-batches: every rank digests the step it is about to run (the batch and its own request-table
+    entries for it). A consistent run passes; a slot number changed on rank 0 alone, mid-generation, is an
+    error naming the ranks before any rank computes with it."""
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama", num_key_value_heads=2, **BASE)
+    eng = radixlm.Engine(
+        str(path), tp_size=2, tp_check_batches=True, log_level="warning", max_total_tokens=1024, dtype="float32"
+    )
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    try:
+        assert len(eng.generate(input_ids=[1, 2, 3], sampling_params=sp)["output_ids"]) == 8
+        stream = eng.generate(input_ids=[4, 5, 6, 7], sampling_params=sp, stream=True)
+        next(stream)
+        row = eng.scheduler.running[0].req_pool_idx
+        pool = eng.runner.req_to_token_pool
+        journal, pool.journal = pool.journal, None  # a write the other rank never hears of
+        pool.write(row, 0, pool.host[row, 1:2].clone())
+        pool.journal = journal
+        with pytest.raises(RuntimeError, match=r"disagree on the batch .*ranks \[1\]"):
+            for _ in stream:
+                pass
+    finally:
+        eng.shutdown()
