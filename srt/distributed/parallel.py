@@ -42,6 +42,16 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank (a picklable start-up decision)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x concatenated along the last dimension, in rank order."""
         if self.size == 1:

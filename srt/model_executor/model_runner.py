@@ -137,8 +137,12 @@ class ModelRunner:
             self.attn_backend.warmup()
             self.sampler.warmup(self.dtype)
             t0 = time.perf_counter()
-            for line in tune_skinny_linears(self.kernel_ops, self.model):
-                logger.info("skinny matmul: %s", line)
+            if tp is None or tp.rank == 0:
+                for line in tune_skinny_linears(self.kernel_ops, self.model):
+                    logger.info("skinny matmul: %s", line)
+            if tp is not None and tp.size > 1 and self.kernel_ops.tuner is not None:
+                # Rank 0 tunes, the others take its picks: every rank has the same shard shapes
+                self.kernel_ops.tuner.choice = tp.broadcast_object(self.kernel_ops.tuner.choice)
             logger.info("skinny matmul tuning took %.1f s", time.perf_counter() - t0)
             if not args.disable_cuda_graph:
                 max_bs = min(

@@ -57,6 +57,10 @@ def run_rank(rank: int, size: int, init: str, path: str, ids: list[int], out: st
             out_cache_loc=slots[n:],
         )
         decode = runner.forward(step)
+        picked = tp.broadcast_object(f"rank {rank}'s choice")  # as the tuner's picks go out from rank 0
+        smallest = tp.all_reduce_min(100 + rank)
+        if rank > 0:
+            assert picked == "rank 0's choice" and smallest == 100, (picked, smallest)
         if rank == 0:
             torch.save(
                 {
