@@ -54,8 +54,10 @@ class HFCheckpoint:
             raise ModelLoadError(f"no *.safetensors weights in {self.path}{hint}", param="model_path")
         return files
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
-        """Every tensor as stored; in an FP8 checkpoint each e4m3 weight paired with its per-channel scales."""
+    def tensors(self, part=None) -> Iterator[tuple[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
+        """Every tensor as stored; in an FP8 checkpoint each e4m3 weight paired with its per-channel scales.
+        `part(name)`: the (rows, columns) slices of a tensor to read (tensor parallelism), or None for all of it;
+        only that part is read from the file."""
         if self.fp8 is not None:
             yield from fp8_tensors(self.files, self.fp8)
             return
@@ -65,12 +67,17 @@ class HFCheckpoint:
             for file in self.files:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        want = part(name) if part is not None else None
+                        if want is None:
+                            yield name, f.get_tensor(name)
+                            continue
+                        view = f.get_slice(name)
+                        yield name, view[want[0]] if len(view.get_shape()) == 1 else view[want]
                 bar.update(1)
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor in `dtype` (FP8 weights dequantized with their scales)."""
-        for name, t in self.tensors():
+    def weights(self, dtype: torch.dtype, part=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in `dtype` (FP8 weights dequantized with their scales); `part` as for tensors()."""
+        for name, t in self.tensors(part):
             yield name, (dequantize_rows(*t) if isinstance(t, tuple) else t).to(dtype)
 
     def load_tokenizer(self, tokenizer_path: str | None = None):

@@ -230,33 +230,42 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(part, fused), shard, self._SHARDS[fused]
         return name, None, 1
 
-    def _rank_part(
-        self, target: str, shard: int | None, tensor: torch.Tensor, dest: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the part of a whole checkpoint tensor this rank holds, where it goes) under tensor parallelism."""
-        tp, local, d = self.tp, self.local_config, self.config.head_dim
+    def rank_rows(self, name: str) -> tuple[slice, slice] | None:
+        """The (rows, columns) of checkpoint tensor `name` this rank holds under tensor parallelism; None for a
+        tensor every rank holds whole. The checkpoint reader takes just that part (safetensors slices)."""
+        if self.tp.size == 1:
+            return None
+        target, shard, _ = self.checkpoint_target(name)
+        tp, local, d, every = self.tp, self.local_config, self.config.head_dim, slice(None)
         param = target.split(".")[-2]
         if param == "qkv_proj":
             if shard == 0:
                 n = local.num_heads * d
-                return tensor[tp.rank * n : (tp.rank + 1) * n], dest
+                return slice(tp.rank * n, (tp.rank + 1) * n), every
             n = local.num_kv_heads * d
-            return tensor[self.kv_head_start * d : self.kv_head_start * d + n], dest
+            return slice(self.kv_head_start * d, self.kv_head_start * d + n), every
         if param == "gate_up_proj":
             n = local.intermediate_size
-            return tensor[tp.rank * n : (tp.rank + 1) * n], dest
-        if param in ("o_proj", "down_proj") and target.endswith(".weight"):
-            n = dest.shape[1]
-            return tensor[:, tp.rank * n : (tp.rank + 1) * n], dest
+            return slice(tp.rank * n, (tp.rank + 1) * n), every
+        if param == "o_proj" and target.endswith(".weight"):
+            n = local.num_heads * d
+            return every, slice(tp.rank * n, (tp.rank + 1) * n)
+        if param == "down_proj" and target.endswith(".weight"):
+            n = local.intermediate_size
+            return every, slice(tp.rank * n, (tp.rank + 1) * n)
         if param in ("embed_tokens", "lm_head"):
             start, _, real = tp.vocab_range(self.config.vocab_size)
-            return tensor[start : start + real], dest[:real]
-        return tensor, dest  # norms and the row-parallel biases: whole on every rank
+            return slice(start, start + real), every
+        return None  # norms and the row-parallel biases
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], prefilled: frozenset[str] = frozenset()
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        prefilled: frozenset[str] = frozenset(),
+        sliced: bool = False,
     ) -> None:
-        """`prefilled`: parameters the caller already filled some other way (quantized linears)."""
+        """`prefilled`: parameters the caller already filled some other way (quantized linears). `sliced`: the
+        tensors are already this rank's parts (`rank_rows`); else they are whole and cut here."""
         params = dict(self.named_parameters())
         pending = {
             name: next((n for fused, n in self._SHARDS.items() if f".{fused}." in name), 1)
@@ -276,8 +285,12 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no place in {self.config.architecture}", param="model_path"
                 )
             dest = param.data if rows is None else param.data[rows[0] : rows[1]]
-            if self.tp.size > 1:
-                tensor, dest = self._rank_part(target, shard, tensor, dest)
+            part = self.rank_rows(name)
+            if part is not None:
+                if not sliced:
+                    tensor = tensor[part[0] if tensor.dim() == 1 else part]
+                if target.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    dest = dest[: tensor.shape[0]]  # the last vocabulary range's padding rows stay zero
             if dest.shape != tensor.shape:
                 raise ModelLoadError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}",
