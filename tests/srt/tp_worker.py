@@ -1,4 +1,4 @@
-"""A tensor-parallel rank for the tests: joins a gloo group, loads its shard of a checkpoint, and computes the
+"""A tensor-parallel rank for the tests: joins a gloo group, loads its shard of each checkpoint, and computes the
 logits of a token sequence three ways (one extend; two extends, the second reading its prefix from the pool; a
 decode step after it). Rank 0 saves them. Run by torch.multiprocessing in real processes; size 1 runs in the
 calling process, without a group."""
@@ -10,67 +10,64 @@ from types import SimpleNamespace
 import torch
 
 
-def run_rank(rank: int, size: int, init: str, path: str, ids: list[int], out: str) -> None:
+def run_rank(rank: int, size: int, init: str, paths: list[str], ids: list[int], out: str) -> None:
     import torch.distributed as dist
 
     from radixlm.srt.distributed.parallel import SINGLE, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(size, rank, init, "gloo", 60) if size > 1 else SINGLE
+    try:
+        results = [_logits(tp, path, ids) for path in paths]
+        picked = tp.broadcast_object(f"rank {rank}'s choice")  # as the tuner's picks go out from rank 0
+        smallest = tp.all_reduce_min(100 + rank)
+        assert picked == "rank 0's choice" and smallest == 100, (picked, smallest)
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        if size > 1:
+            dist.destroy_process_group()
+
+
+def _logits(tp, path: str, ids: list[int]) -> dict:
     from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
     from radixlm.srt.model_executor.model_runner import ModelRunner
     from radixlm.srt.model_loader.loader import load_model
     from radixlm.srt.server_args import ServerArgs
     from tests.helpers import forward_logits
 
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(size, rank, init, "gloo", 60) if size > 1 else SINGLE
-    try:
-        loaded = load_model(path, dtype="float32", device="cpu", quantization="none", tp=tp)
-        args = ServerArgs(model_path=path, max_total_tokens=512, attention_backend="torch_native")
-        runner = ModelRunner(loaded, args)
-        engine = SimpleNamespace(runner=runner)
-        whole = forward_logits(engine, ids)
-        split = forward_logits(engine, ids, split=len(ids) // 2)
-        # a decode step: the last token again, attending to the whole sequence before it in the pool
-        row = runner.req_to_token_pool.alloc()
-        slots = runner.token_to_kv_pool.alloc(len(ids))
-        runner.req_to_token_pool.write(row, 0, slots)
-        n = len(ids) - 1
-        forward_logits_prefix = ForwardBatch.build(
-            ForwardMode.EXTEND,
-            runner.device,
-            input_ids=ids[:n],
-            positions=list(range(n)),
-            req_pool_indices=[row],
-            seq_lens=[n],
-            out_cache_loc=slots[:n],
-            logits_indices=[n - 1],
-            extend_prefix_lens=[0],
-            extend_seq_lens=[n],
-        )
-        runner.forward(forward_logits_prefix)
-        step = ForwardBatch.build(
-            ForwardMode.DECODE,
-            runner.device,
-            input_ids=ids[n:],
-            positions=[n],
-            req_pool_indices=[row],
-            seq_lens=[n + 1],
-            out_cache_loc=slots[n:],
-        )
-        decode = runner.forward(step)
-        picked = tp.broadcast_object(f"rank {rank}'s choice")  # as the tuner's picks go out from rank 0
-        smallest = tp.all_reduce_min(100 + rank)
-        if rank > 0:
-            assert picked == "rank 0's choice" and smallest == 100, (picked, smallest)
-        if rank == 0:
-            torch.save(
-                {
-                    "whole": whole,
-                    "split": split,
-                    "decode": decode,
-                    "heads": (runner.config.num_heads, runner.config.num_kv_heads),
-                },
-                out,
-            )
-    finally:
-        if size > 1:
-            dist.destroy_process_group()
+    loaded = load_model(path, dtype="float32", device="cpu", quantization="none", tp=tp)
+    runner = ModelRunner(loaded, ServerArgs(model_path=path, max_total_tokens=512, attention_backend="torch_native"))
+    engine = SimpleNamespace(runner=runner)
+    whole = forward_logits(engine, ids)
+    split = forward_logits(engine, ids, split=len(ids) // 2)
+    # a decode step: the last token after the others, attending to them in the pool
+    row = runner.req_to_token_pool.alloc()
+    slots = runner.token_to_kv_pool.alloc(len(ids))
+    runner.req_to_token_pool.write(row, 0, slots)
+    n = len(ids) - 1
+    prefix = ForwardBatch.build(
+        ForwardMode.EXTEND,
+        runner.device,
+        input_ids=ids[:n],
+        positions=list(range(n)),
+        req_pool_indices=[row],
+        seq_lens=[n],
+        out_cache_loc=slots[:n],
+        logits_indices=[n - 1],
+        extend_prefix_lens=[0],
+        extend_seq_lens=[n],
+    )
+    runner.forward(prefix)
+    step = ForwardBatch.build(
+        ForwardMode.DECODE,
+        runner.device,
+        input_ids=ids[n:],
+        positions=[n],
+        req_pool_indices=[row],
+        seq_lens=[n + 1],
+        out_cache_loc=slots[n:],
+    )
+    decode = runner.forward(step)
+    heads = (runner.config.num_heads, runner.config.num_kv_heads)
+    return {"whole": whole, "split": split, "decode": decode, "heads": heads}
