@@ -48,8 +48,8 @@ def test_answers_as_one_rank_does(tp_server, server):
     info = httpx.get(f"{tp_server.url}/get_server_info", timeout=30).json()
     assert info["scheduler"]["tp_size"] == 3 and info["server_args"]["tp_size"] == 3
     for content in ("What is the capital of France?", "List three fruits."):
-        one = _chat(server, content, max_tokens=24, logprobs=True, top_logprobs=3)
-        many = _chat(tp_server, content, max_tokens=24, logprobs=True, top_logprobs=3)
+        one = _chat(server, content, max_tokens=12, logprobs=True, top_logprobs=3)
+        many = _chat(tp_server, content, max_tokens=12, logprobs=True, top_logprobs=3)
         assert many.choices[0].message.content == one.choices[0].message.content
         for a, b in zip(many.choices[0].logprobs.content, one.choices[0].logprobs.content):
             assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-3
@@ -62,17 +62,17 @@ def test_answers_as_one_rank_does(tp_server, server):
 
 
 def test_stream_and_abort(tp_server):
-    whole = _chat(tp_server, "Tell me about the moon.", max_tokens=32).choices[0].message.content
-    stream = _chat(tp_server, "Tell me about the moon.", max_tokens=32, stream=True)
+    whole = _chat(tp_server, "Tell me about the moon.", max_tokens=12).choices[0].message.content
+    stream = _chat(tp_server, "Tell me about the moon.", max_tokens=12, stream=True)
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
-    dropped = _chat(tp_server, "Count from one to one hundred.", max_tokens=200, stream=True)
+    dropped = _chat(tp_server, "Count from one to one hundred.", max_tokens=64, stream=True)
     for i, _ in enumerate(dropped):
         if i == 3:
             break
     dropped.close()  # the scheduler aborts it; every rank goes on with the next batch
-    again = _chat(tp_server, "Tell me about the moon.", max_tokens=32).choices[0].message.content
+    again = _chat(tp_server, "Tell me about the moon.", max_tokens=12).choices[0].message.content
     assert again == whole
 
 
