@@ -54,9 +54,10 @@ def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     return max(1, n)
 
 
-def configure_cpu_forward() -> str:
+def configure_cpu_forward(share: int = 1) -> str:
     """Set torch's (and our OpenMP kernels') thread count for a CPU forward; returns a line for the start-up log.
-    OMP_NUM_THREADS, when set, is the operator's choice and is kept."""
+    OMP_NUM_THREADS, when set, is the operator's choice and is kept. `share`: processes forwarding on these
+    CPUs at once (tensor-parallel ranks of one host), which split them instead of each spinning on all."""
     import torch
 
     policy = env.OMP_WAIT_POLICY.get() or "default (spin, then sleep)"
@@ -67,6 +68,7 @@ def configure_cpu_forward() -> str:
         )
     if env.OMP_NUM_THREADS.is_set():
         return f"{torch.get_num_threads()} threads (OMP_NUM_THREADS), wait policy {policy}"
-    n = usable_cpus()
+    n = max(1, usable_cpus() // share)
     torch.set_num_threads(n)
-    return f"{n} threads (the CPUs this process may use), wait policy {policy}"
+    shared = f", shared by {share} ranks" if share > 1 else ""
+    return f"{n} threads (the CPUs this process may use{shared}), wait policy {policy}"

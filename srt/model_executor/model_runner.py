@@ -116,7 +116,8 @@ class ModelRunner:
         self.future_map = torch.zeros(4 * self.max_running_requests + 64, dtype=torch.int64, device=self.device)
         self._future_next = 0
         if self.device.type == "cpu":
-            logger.info("CPU forward: %s", configure_cpu_forward())
+            share = args.tp_size // args.nnodes if tp is not None and tp.size > 1 else 1
+            logger.info("CPU forward: %s", configure_cpu_forward(share))
         if self.cpu_path:
             from radixlm.kernels import cpu as cpu_kernels
 
