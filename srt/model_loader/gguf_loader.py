@@ -193,8 +193,12 @@ class GGUFCheckpoint:
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
         )
 
-    def weights(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`; HF names in `skip` are left out."""
+    def weights(
+        self, dtype: torch.dtype, skip: frozenset[str] = frozenset(), part=None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`; HF names in `skip` are left out.
+        `part(name)`: the (rows, columns) slices to keep (tensor parallelism), or None for the whole tensor; only
+        that part is dequantized (its columns must start and end on quantization blocks)."""
         for t in tqdm(
             self.tensors,
             desc="Loading GGUF weights",
@@ -208,8 +212,31 @@ class GGUFCheckpoint:
                 continue
             if name in skip:
                 continue
-            array = self._rows_for_rope(name, self.gguf.dequantize(t.data, t.tensor_type))
+            data = t.data
+            want = part(name) if part is not None else None
+            if want is not None:
+                data = self._slice_blocks(data, t.tensor_type, want)
+            array = self._rows_for_rope(name, self.gguf.dequantize(data, t.tensor_type))
             yield name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+
+    def _slice_blocks(self, data: np.ndarray, kind, want: tuple[slice, slice]) -> np.ndarray:
+        """The rows and columns `want` of a tensor still in its stored form (rows of quantized blocks)."""
+        rows, cols = want
+        if data.ndim == 1:
+            return data[rows]
+        data = data[rows]
+        if cols == slice(None):
+            return data
+        if data.dtype != np.uint8:  # a float tensor: its columns are elements
+            return data[:, cols]
+        block, size = self.gguf.GGML_QUANT_SIZES[kind]
+        if cols.start % block or cols.stop % block:
+            raise ModelLoadError(
+                f"a tensor-parallel column range [{cols.start}, {cols.stop}) splits this GGUF's quantization "
+                f"blocks of {block}: choose a tp_size that keeps each rank's columns whole blocks",
+                param="tp_size",
+            )
+        return data[:, cols.start // block * size : cols.stop // block * size]
 
     def has_q4_weights(self) -> bool:
         """Whether any 2-D linear weight is Q4_0/Q4_1 (what --quantization gguf keeps packed)."""
@@ -245,7 +272,7 @@ class GGUFCheckpoint:
         Works on any array whose first axis is the weight's rows (dequantized weights or block parts)."""
         if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             cfg = self.config
-            return _unpermute(rows, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+            return _unpermute(rows, rows.shape[0] // cfg.head_dim)  # whole heads (all, or a rank's)
         return rows
 
     def load_tokenizer(self):

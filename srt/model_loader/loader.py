@@ -164,7 +164,7 @@ def load_model(
         _random_weights(model)
     elif quantization == "gguf":
         load_gguf_quantized(model, ckpt, run_dtype)
-    elif tp.size > 1 and isinstance(ckpt, HFCheckpoint) and ckpt.fp8 is None:
+    elif tp.size > 1 and (isinstance(ckpt, GGUFCheckpoint) or ckpt.fp8 is None):
         model.load_weights(ckpt.weights(run_dtype, part=model.rank_rows), sliced=True)  # each rank reads its part
     else:
         model.load_weights(ckpt.weights(run_dtype))
