@@ -247,7 +247,7 @@ def test_loaded_streams_end_whole(overlap_server):
             messages=msgs[i % 8],
             temperature=0.9,
             seed=i,
-            max_tokens=12,
+            max_tokens=8,
             n=4,
             logprobs=True,
             top_logprobs=20,

@@ -30,7 +30,7 @@ def test_bad_inputs_leave_a_running_stream_unharmed(server):
         body = {
             "model": "SmolLM2-135M-Instruct",
             "messages": CHAT,
-            "max_tokens": 120,
+            "max_tokens": 80,
             "ignore_eos": True,
             "temperature": 0,
             "stream": True,
@@ -83,13 +83,13 @@ def test_bad_inputs_leave_a_running_stream_unharmed(server):
     _error(httpx.post(f"{url}/generate", json={"input_ids": [1, 2, 10**9]}), 400)
     _error(httpx.post(f"{url}/generate", json={"text": ""}), 400)
     t.join(timeout=300)
-    assert result["finish"] == "length" and len(result["text"]) > 100
+    assert result["finish"] == "length" and len(result["text"]) > 60
     reference = httpx.post(
         chat,
         json={
             "model": "SmolLM2-135M-Instruct",
             "messages": CHAT,
-            "max_tokens": 120,
+            "max_tokens": 80,
             "ignore_eos": True,
             "temperature": 0,
         },
