@@ -4,7 +4,7 @@ Rank 0 runs the only scheduler (admission, radix cache, grammar masks, sampling)
 broadcasts a step record over a gloo group: the batch (`BatchSpec`) and the request-table writes made since the
 last step (the slot numbers the attention kernels read). Ranks 1..N-1 run `worker_loop`: apply the writes, run
 the same forward, whose all-reduces and all-gather pair with rank 0's. Nothing a worker computes on its own
-can change a batch. Workers start with rank 0 (`spawn_workers`), build their shard the same way and capture
+can change a batch. Workers start with rank 0 (`spawn_ranks`), build their shard the same way and capture
 the same graphs, and die with it; rank 0 watches them (`watch_workers`) and ends the server when one dies.
 
 Under overlap scheduling a step's input ids may be the previous step's sampled ids, still on the device
