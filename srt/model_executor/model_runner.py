@@ -65,8 +65,10 @@ class PendingSample:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, args: ServerArgs):
         self.model = loaded.model
-        # This rank's shapes (its heads and MLP columns under tensor parallelism; the model's otherwise).
-        local = getattr(self.model, "local_config", loaded.config)
+        self.tp = self.model.tp
+        # This rank's shapes (its heads and MLP columns under tensor parallelism; the model's otherwise), with the
+        # fields the loader filled in after building the model (end-of-sequence ids).
+        local = self.model.local_config
         self.config = dataclasses.replace(
             loaded.config,
             num_heads=local.num_heads,
@@ -79,16 +81,13 @@ class ModelRunner:
         self.server_args = args
         self.vocab_size = self.config.vocab_size
         self.attn_backend_name = resolve_backend(
-            args.attention_backend, self.device.type, self.config.head_dim, self.dtype
+            args.attention_backend, self.device.type, self.config.head_dim, self.dtype, args.kv_cache_dtype
         )
-        if args.kv_cache_dtype == "fp8_e4m3" and args.attention_backend == "auto" and self.device.type == "cuda":
-            self.attn_backend_name = "triton"  # FlashInfer's wrappers are not given an e4m3 pool here
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device, self.attn_backend_name)
         bytes_per_token = self.config.kv_bytes_per_token * torch.tensor([], dtype=self.kv_dtype).element_size()
         self.max_total_tokens = args.max_total_tokens or self._default_kv_tokens(bytes_per_token, args)
-        tp = getattr(self.model, "tp", None)
-        if tp is not None and tp.size > 1:  # every rank's pool must hold the slots rank 0 hands out
-            self.max_total_tokens = tp.all_reduce_min(self.max_total_tokens)
+        # every rank's pool must hold the slots rank 0 hands out
+        self.max_total_tokens = self.tp.all_reduce_min(self.max_total_tokens)
         if self.max_total_tokens < 16:
             raise ValueError(f"KV cache of {self.max_total_tokens} tokens is too small")
         default_running = 128 if self.device.type == "cpu" else 1024
@@ -116,8 +115,7 @@ class ModelRunner:
         self.future_map = torch.zeros(4 * self.max_running_requests + 64, dtype=torch.int64, device=self.device)
         self._future_next = 0
         if self.device.type == "cpu":
-            share = args.tp_size // args.nnodes if tp is not None and tp.size > 1 else 1
-            logger.info("CPU forward: %s", configure_cpu_forward(share))
+            logger.info("CPU forward: %s", configure_cpu_forward(args.tp_size // args.nnodes))  # ranks on this host
         if self.cpu_path:
             from radixlm.kernels import cpu as cpu_kernels
 
@@ -138,12 +136,12 @@ class ModelRunner:
             self.attn_backend.warmup()
             self.sampler.warmup(self.dtype)
             t0 = time.perf_counter()
-            if tp is None or tp.rank == 0:
+            if self.tp.rank == 0:
                 for line in tune_skinny_linears(self.kernel_ops, self.model):
                     logger.info("skinny matmul: %s", line)
-            if tp is not None and tp.size > 1 and self.kernel_ops.tuner is not None:
+            if self.kernel_ops.tuner is not None:
                 # Rank 0 tunes, the others take its picks: every rank has the same shard shapes
-                self.kernel_ops.tuner.choice = tp.broadcast_object(self.kernel_ops.tuner.choice)
+                self.kernel_ops.tuner.choice = self.tp.broadcast_object(self.kernel_ops.tuner.choice)
             logger.info("skinny matmul tuning took %.1f s", time.perf_counter() - t0)
             if not args.disable_cuda_graph:
                 max_bs = min(

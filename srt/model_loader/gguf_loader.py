@@ -219,11 +219,10 @@ class GGUFCheckpoint:
             array = self._rows_for_rope(name, self.gguf.dequantize(data, t.tensor_type))
             yield name, torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
 
-    def _slice_blocks(self, data: np.ndarray, kind, want: tuple[slice, slice]) -> np.ndarray:
-        """The rows and columns `want` of a tensor still in its stored form (rows of quantized blocks)."""
-        rows, cols = want
-        if data.ndim == 1:
-            return data[rows]
+    def _slice_blocks(self, data: np.ndarray, kind, want: tuple[slice, ...]) -> np.ndarray:
+        """The part `want` ((rows,) or (rows, columns), as Model.rank_rows gives it) of a tensor still in its
+        stored form (rows of quantized blocks)."""
+        rows, cols = (*want, slice(None))[:2]
         data = data[rows]
         if cols == slice(None):
             return data

@@ -71,8 +71,7 @@ class HFCheckpoint:
                         if want is None:
                             yield name, f.get_tensor(name)
                             continue
-                        view = f.get_slice(name)
-                        yield name, view[want[0]] if len(view.get_shape()) == 1 else view[want]
+                        yield name, f.get_slice(name)[want]
                 bar.update(1)
 
     def weights(self, dtype: torch.dtype, part=None) -> Iterator[tuple[str, torch.Tensor]]:

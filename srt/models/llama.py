@@ -230,9 +230,10 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(part, fused), shard, self._SHARDS[fused]
         return name, None, 1
 
-    def rank_rows(self, name: str) -> tuple[slice, slice] | None:
-        """The (rows, columns) of checkpoint tensor `name` this rank holds under tensor parallelism; None for a
-        tensor every rank holds whole. The checkpoint reader takes just that part (safetensors slices)."""
+    def rank_rows(self, name: str) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor `name` this rank holds under tensor parallelism, as an index: (rows,)
+        (a weight's or a bias's) or (all rows, columns); None for a tensor every rank holds whole. The checkpoint
+        reader takes just that part (safetensors slices)."""
         if self.tp.size == 1:
             return None
         target, shard, _ = self.checkpoint_target(name)
@@ -241,12 +242,12 @@ class LlamaForCausalLM(nn.Module):
         if param == "qkv_proj":
             if shard == 0:
                 n = local.num_heads * d
-                return slice(tp.rank * n, (tp.rank + 1) * n), every
+                return (slice(tp.rank * n, (tp.rank + 1) * n),)
             n = local.num_kv_heads * d
-            return slice(self.kv_head_start * d, self.kv_head_start * d + n), every
+            return (slice(self.kv_head_start * d, self.kv_head_start * d + n),)
         if param == "gate_up_proj":
             n = local.intermediate_size
-            return slice(tp.rank * n, (tp.rank + 1) * n), every
+            return (slice(tp.rank * n, (tp.rank + 1) * n),)
         if param == "o_proj" and target.endswith(".weight"):
             n = local.num_heads * d
             return every, slice(tp.rank * n, (tp.rank + 1) * n)
@@ -255,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
             return every, slice(tp.rank * n, (tp.rank + 1) * n)
         if param in ("embed_tokens", "lm_head"):
             start, _, real = tp.vocab_range(self.config.vocab_size)
-            return slice(start, start + real), every
+            return (slice(start, start + real),)
         return None  # norms and the row-parallel biases
 
     def load_weights(
@@ -288,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
             part = self.rank_rows(name)
             if part is not None:
                 if not sliced:
-                    tensor = tensor[part[0] if tensor.dim() == 1 else part]
+                    tensor = tensor[part]
                 if target.endswith(("embed_tokens.weight", "lm_head.weight")):
                     dest = dest[: tensor.shape[0]]  # the last vocabulary range's padding rows stay zero
             if dest.shape != tensor.shape:

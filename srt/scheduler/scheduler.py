@@ -208,7 +208,7 @@ class Scheduler:
             attention_backend=self.runner.attn_backend_name,
             grammar=asdict(self.grammar.stats()),
             cuda_graph=self.runner.uses_cuda_graphs,
-            tp_size=self.runner.model.tp.size,
+            tp_size=self.runner.tp.size,
         )
         s["kv_used"] = s["kv_total"] - s["kv_free"] - s["kv_evictable"]
         return s

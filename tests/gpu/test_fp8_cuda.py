@@ -30,6 +30,8 @@ SIZES = dict(
     initializer_range=0.02,
 )
 GREEDY = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+# the paths whose greedy outputs must agree: graphs and overlap (the CUDA default), eager, the plain scheduler
+MODES = {"graphs+overlap": {}, "eager": {"disable_cuda_graph": True}, "no-overlap": {"disable_overlap_schedule": True}}
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +79,7 @@ def test_fp8_logits_against_bf16_on_the_same_weights(setup):
 def test_fp8_greedy_identical_with_graphs_eager_and_overlap(setup):
     d, _, prompts = setup
     outs = {}
-    for name, kw in {
-        "graphs+overlap": {},
-        "eager": {"disable_cuda_graph": True},
-        "no-overlap": {"disable_overlap_schedule": True},
-    }.items():
+    for name, kw in MODES.items():
         engine = _engine(d, quantization="fp8", **kw)
         outs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
         assert engine.flush_cache() and engine.scheduler.kv_pool.available_size() == engine.scheduler.kv_pool.size
@@ -99,11 +97,7 @@ def test_fp8_kv_cache_against_bf16_kv_on_the_same_weights(setup):
     ref = forward_logits(ref_engine, ids)
     _close(ref_engine)
     outs = {}
-    for name, kw in {
-        "graphs+overlap": {},
-        "eager": {"disable_cuda_graph": True},
-        "no-overlap": {"disable_overlap_schedule": True},
-    }.items():
+    for name, kw in MODES.items():
         engine = _engine(d, kv_cache_dtype="fp8_e4m3", **kw)
         assert engine.runner.token_to_kv_pool.k_buffer.dtype == torch.float8_e4m3fn
         if name == "eager":

@@ -85,5 +85,6 @@ def test_backend_resolution():
     with pytest.raises(ValueError, match="head sizes"):
         resolve_backend("flashinfer", "cuda", head_dim=16)
     assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.float32) == "triton"  # FlashInfer has no fp32
+    assert resolve_backend("auto", "cuda", head_dim=64, dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3") == "triton"
     with pytest.raises(ValueError, match="float16 and bfloat16"):
         resolve_backend("flashinfer", "cuda", head_dim=64, dtype=torch.float32)

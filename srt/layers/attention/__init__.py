@@ -40,13 +40,16 @@ def _check_flashinfer(device_type: str, fi_dtype: bool, fi_heads: bool, head_dim
         raise ValueError(needs)
 
 
-def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dtype=None) -> str:
-    """`auto`: FlashInfer when importable on CUDA (and it has kernels for the model's head size and dtype), else
-    Triton on CUDA, else torch-native."""
+def resolve_backend(
+    name: str, device_type: str, head_dim: int | None = None, dtype=None, kv_cache_dtype: str = "auto"
+) -> str:
+    """`auto`: FlashInfer when importable on CUDA (and it has kernels for the model's head size and dtype, and the
+    KV cache is not e4m3, which its wrappers are not given here), else Triton on CUDA, else torch-native."""
     fi_heads = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
     fi_dtype = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        if device_type == "cuda" and fi_heads and fi_dtype and _importable("flashinfer"):
+        fi_kv = kv_cache_dtype != "fp8_e4m3"
+        if device_type == "cuda" and fi_heads and fi_dtype and fi_kv and _importable("flashinfer"):
             return "flashinfer"
         if device_type == "cuda" and _importable("triton"):
             return "triton"
