@@ -32,13 +32,16 @@ from radixlm.srt.scheduler.batch import sampling_info
 
 
 def _profile(served, plain, path: str, bs) -> None:
-    """Kernel time by name for one served step (graph replay) and one eager forward: where the step goes."""
+    """Kernel time by name for one served step (graph replay) and one eager forward (`plain`, unless None): where
+    the step goes."""
     from torch.profiler import ProfilerActivity, profile
 
+    runs = [("served step", served)] + ([("eager forward", plain)] if plain is not None else [])
     for _ in range(3):
-        served(), plain()
+        for _, fn in runs:
+            fn()
     lines = []
-    for name, fn in (("served step", served), ("eager forward", plain)):
+    for name, fn in runs:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -85,8 +88,30 @@ def timeline(trace: dict, steps: int) -> list[str]:
     return out
 
 
+def collective_share(served, steps: int = 5) -> tuple[float, float]:
+    """Tensor parallelism: (microseconds of NCCL kernels per step, their share of the step's device span) on this
+    rank, from a profile of `steps` served steps. A collective's kernel also waits there for the slowest rank:
+    the time is what the step spends in communication, skew included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        served()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            served()
+        torch.cuda.synchronize()
+    ks = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    if not ks:
+        return 0.0, 0.0
+    nccl = sum(e.device_time for e in ks if "nccl" in e.name.lower())
+    span = max(e.time_range.end for e in ks) - min(e.time_range.start for e in ks)
+    return nccl / steps, nccl / span if span else 0.0
+
+
 def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: str | None = None) -> dict:
     r = engine.runner
+    sharded = r.tp.size > 1  # rank 0's runner: its forwards are announced to the other ranks, its own calls not
     spec, slots, rows = decode_spec(r, bs, ctx)
     sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
 
@@ -137,7 +162,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         # mark is taken as the host starts the step, the device being idle then)
         device = [marks[0].elapsed_time(marks[i]) / 1e3 for i in (1, 2)]
         replay = 0.0
-        if g is not None and bs <= g.max_size:
+        if g is not None and bs <= g.max_size and not sharded:  # a bare replay would wait for the other ranks
             t3 = time.perf_counter()
             g.relaunch(bs)
             replay = time.perf_counter() - t3
@@ -145,7 +170,7 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         return t1 - t0, t2 - t1, replay, device[0], device[1], wall
 
     if profile:
-        _profile(served, plain, profile, bs)
+        _profile(served, None if sharded else plain, profile, bs)
     timed = [("step", served)] + ([("eager", plain)] if eager else [])
     out = {name: _median_s(fn, repeats, sync) for name, fn in timed}
     if r.device.type == "cuda":
@@ -153,6 +178,8 @@ def step_times(engine, bs: int, ctx: int, repeats: int, eager: bool, profile: st
         parts = [launch() for _ in range(repeats)]
         out["launch"] = statistics.median(p[0] + p[1] for p in parts)
         out["launch_parts"] = [statistics.median(p[i] for p in parts) for i in range(6)]
+        if sharded:
+            out["collective_us"], out["collective_share"] = collective_share(served)
     release(r, slots, rows)
     return out
 
@@ -205,6 +232,7 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"])
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one per GPU)")
     ap.add_argument("--extend-cuda-graph", default="auto", choices=["auto", "whole", "piecewise", "off"])
     ap.add_argument("--eager", action="store_true", help="also time the eager forward of the same batch")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
@@ -220,6 +248,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="append a kernel-time table per batch size to this file (CUDA)")
     args = ap.parse_args()
+    if args.tp_size > 1 and (args.eager or args.mixed):
+        ap.error("--eager and --mixed call rank 0's forward alone: not with --tp-size > 1")
     max_bs = max(args.batch_sizes)
     mixed = [tuple(int(v) for v in m.split(":")) for m in args.mixed]
     tokens = max([max_bs * (args.context + 1)] + [d * (args.context + 1) + p for d, p in mixed]) + 64
@@ -238,6 +268,7 @@ def main():
         extend_cuda_graph=args.extend_cuda_graph,
         max_total_tokens=tokens,
         max_running_requests=max([max_bs, *(d + 1 for d, _ in mixed)]),
+        tp_size=args.tp_size,
     )
     r = engine.runner
     tuner = r.kernel_ops.tuner
@@ -253,9 +284,12 @@ def main():
             "backend": r.attn_backend_name,
             "kernels": r.kernel_ops.name,
             "cuda_graph": graphs,
+            "tp_size": args.tp_size,
             "step_ms": t["step"] * 1e3,
             "tokens_per_s": bs / t["step"],
         }
+        if "collective_us" in t:
+            row.update(collective_us=t["collective_us"], collective_share=t["collective_share"])
         if "eager" in t:
             row.update(eager_forward_ms=t["eager"] * 1e3, eager_tokens_per_s=bs / t["eager"])
         if "pipelined" in t:
@@ -273,6 +307,8 @@ def main():
             )
         rows.append(row)
         extra = f"   eager forward {t['eager'] * 1e3:8.2f} ms" if "eager" in t else ""
+        if "collective_us" in t:
+            extra += f"   NCCL {t['collective_us']:7.1f} us/step ({t['collective_share']:.0%})"
         if "pipelined" in t:
             extra += (
                 f"   pipelined {t['pipelined'] * 1e3:6.2f} ms   host launch {t['launch'] * 1e3:5.3f} ms "
@@ -328,6 +364,7 @@ def main():
                 indent=2,
             )
         )
+    engine.shutdown()
 
 
 if __name__ == "__main__":

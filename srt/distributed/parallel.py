@@ -58,10 +58,12 @@ class TensorParallel:
             return x
         import torch.distributed as dist
 
+        # One collective into one buffer (capturable in a CUDA graph): rank blocks stacked along the first dimension
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name first
+        gather(out, x, group=self.group)
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     # --- the layout --------------------------------------------------------------------------------------------
     def even(self, n: int, what: str) -> int:
@@ -91,10 +93,17 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+# How long a collective of the model's group may wait: rank 0 may tune kernels for minutes at start-up while the
+# others wait for its picks, and a served step waits for the slowest rank. A rank that dies is noticed by
+# ranks.watch_workers, not by this timeout.
+_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=1)
+
+
 def init_tensor_parallel(size: int, rank: int, init_method: str, backend: str, timeout_s: float) -> TensorParallel:
     """Join the group and prove it works with one all-reduce, within `timeout_s` seconds: start-up most often
     hangs in this first collective (a wrong address or network interface), and a bounded wait turns that hang
-    into an error that names the likely cause."""
+    into an error that names the likely cause. The model's collectives then run in a group of their own, whose
+    timeout is long (_COLLECTIVE_TIMEOUT)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -102,6 +111,8 @@ def init_tensor_parallel(size: int, rank: int, init_method: str, backend: str, t
         dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank, timeout=timeout)
         probe = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
         dist.all_reduce(probe)
+        group = dist.new_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
+        dist.all_reduce(probe, group=group)
     except Exception as e:  # noqa: BLE001 - the message is what matters here
         hint = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
         raise RuntimeError(
@@ -109,7 +120,7 @@ def init_tensor_parallel(size: int, rank: int, init_method: str, backend: str, t
             f"{timeout_s:.0f} s ({type(e).__name__}: {e}); check the address and that every rank started, "
             f"and set {hint} to the network interface the ranks share"
         ) from None
-    if int(probe.item()) != size:
-        raise RuntimeError(f"tensor-parallel preflight all-reduce gave {probe.item()}, expected {size}")
+    if int(probe.item()) != size * size:
+        raise RuntimeError(f"tensor-parallel preflight all-reduces gave {probe.item()}, expected {size * size}")
     logger.info("tensor parallel: rank %d of %d (%s)", rank, size, backend)
-    return TensorParallel(size, rank, dist.group.WORLD)
+    return TensorParallel(size, rank, group)

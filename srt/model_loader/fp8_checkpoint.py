@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.srt.errors import ModelLoadError
-from radixlm.srt.layers.quantization.fp8 import FP8, channel_scales, fold_block_scales
+from radixlm.srt.layers.quantization.fp8 import channel_scales, fold_block_scales
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,14 @@ def _tensor_files(files) -> dict[str, object]:
     return where
 
 
-def fp8_tensors(files, fmt: Fp8Format) -> Iterator[tuple[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
+def fp8_tensors(
+    files, fmt: Fp8Format, part=None
+) -> Iterator[tuple[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]]:
     """Every tensor of the checkpoint: an e4m3 weight as (e4m3 [N, K], float32 per-channel scales [N]), every other
-    one as stored; scales and static input scales are consumed (activations are scaled per token at run time)."""
+    one as stored; scales and static input scales are consumed (activations are scaled per token at run time).
+    `part(name)`: this rank's (rows,) or (all rows, columns) of a tensor, or None for all of it (tensor
+    parallelism); a per-channel weight's part is read alone, a block-scaled one is read whole and folded first
+    (its blocks need not align with the ranks' ranges)."""
     from safetensors import safe_open  # noqa: PLC0415
 
     where = _tensor_files(files)
@@ -73,26 +78,46 @@ def fp8_tensors(files, fmt: Fp8Format) -> Iterator[tuple[str, torch.Tensor | tup
             for name in f.keys():
                 if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
                     continue
-                t = f.get_tensor(name)
-                if t.dtype != FP8:
-                    yield name, t
+                want = part(name) if part is not None else None
+                sl = f.get_slice(name)
+                if sl.get_dtype() != "F8_E4M3":
+                    yield name, (f.get_tensor(name) if want is None else sl[want])
                     continue
-                yield name, _paired(name, t, where, fmt)
+                if fmt.block or want is None:
+                    q, scale = _paired(name, f.get_tensor(name), where, fmt)
+                    yield name, (q, scale) if want is None else (q[want], scale[want[0]] if len(want) == 1 else scale)
+                    continue
+                rows = sl.get_shape()[0]
+                scale = _scales(name, rows, where)
+                yield name, (sl[want], scale[want[0]] if len(want) == 1 else scale)
 
 
 def _paired(name: str, q: torch.Tensor, where: dict, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    if not fmt.block:
+        return q, _scales(name, q.shape[0], where)
     from safetensors import safe_open  # noqa: PLC0415
 
-    key = name[: -len(".weight")] + (".weight_scale_inv" if fmt.block else ".weight_scale")
+    key = name[: -len(".weight")] + ".weight_scale_inv"
     if not name.endswith(".weight") or key not in where:
-        raise ModelLoadError(
-            f"FP8 tensor {name!r} has no {key.rpartition('.')[2]} in the checkpoint", param="model_path"
-        )
+        raise ModelLoadError(f"FP8 tensor {name!r} has no weight_scale_inv in the checkpoint", param="model_path")
     with safe_open(where[key], framework="pt") as f:
         scale = f.get_tensor(key)
     try:
-        if fmt.block:
-            return fold_block_scales(q, scale, fmt.block)
-        return q, channel_scales(scale, q.shape[0], key)
+        return fold_block_scales(q, scale, fmt.block)
+    except ValueError as e:
+        raise ModelLoadError(str(e), param="model_path") from e
+
+
+def _scales(name: str, rows: int, where: dict) -> torch.Tensor:
+    """The per-channel scales of per-channel (or per-tensor) e4m3 weight `name` with `rows` output channels."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    key = name[: -len(".weight")] + ".weight_scale"
+    if not name.endswith(".weight") or key not in where:
+        raise ModelLoadError(f"FP8 tensor {name!r} has no weight_scale in the checkpoint", param="model_path")
+    with safe_open(where[key], framework="pt") as f:
+        scale = f.get_tensor(key)
+    try:
+        return channel_scales(scale, rows, key)
     except ValueError as e:
         raise ModelLoadError(str(e), param="model_path") from e

@@ -59,7 +59,7 @@ class HFCheckpoint:
         `part(name)`: the (rows, columns) slices of a tensor to read (tensor parallelism), or None for all of it;
         only that part is read from the file."""
         if self.fp8 is not None:
-            yield from fp8_tensors(self.files, self.fp8)
+            yield from fp8_tensors(self.files, self.fp8, part)
             return
         from safetensors import safe_open  # noqa: PLC0415
 

@@ -143,10 +143,9 @@ def load_model(
             f"fp8_lm_head needs --quantization fp8 (this load resolved to {quantization})", param="fp8_lm_head"
         )
     fp8 = quantization == "fp8"
-    if tp.size > 1 and quantization != "none":
+    if tp.size > 1 and quantization == "gguf":
         raise ModelLoadError(
-            f"tp_size {tp.size} runs weights in bf16/fp16/fp32 for now (GGUF files dequantized), not "
-            f"quantization {quantization}: use --quantization none",
+            f"tp_size {tp.size} dequantizes a GGUF file's weights (each rank its part): use --quantization none",
             param="tp_size",
         )
     model_cls = MODEL_REGISTRY[config.architecture]
@@ -159,12 +158,12 @@ def load_model(
     finally:
         torch.set_default_dtype(old_default)
     if fp8:
-        _load_fp8(model, ckpt, config, run_dtype, dev, load_format, fp8_lm_head)
+        _load_fp8(model, ckpt, config, run_dtype, dev, load_format, fp8_lm_head, tp)
     elif load_format == "dummy":
         _random_weights(model)
     elif quantization == "gguf":
         load_gguf_quantized(model, ckpt, run_dtype)
-    elif tp.size > 1 and (isinstance(ckpt, GGUFCheckpoint) or ckpt.fp8 is None):
+    elif tp.size > 1:
         model.load_weights(ckpt.weights(run_dtype, part=model.rank_rows), sliced=True)  # each rank reads its part
     else:
         model.load_weights(ckpt.weights(run_dtype))
@@ -196,7 +195,11 @@ def load_model(
     )
 
 
-def _load_fp8(model, ckpt, config, dtype: torch.dtype, device: torch.device, load_format: str, head: bool) -> None:
+def _load_fp8(
+    model, ckpt, config, dtype: torch.dtype, device: torch.device, load_format: str, head: bool, tp: TensorParallel
+) -> None:
+    """Every rank quantizes (or reads) only its part: the per-channel scales of a column-parallel shard are its
+    rows' scales, a row-parallel shard's are over its own columns (a checkpoint's are kept whole)."""
     skip = ckpt.fp8.skip if isinstance(ckpt, HFCheckpoint) and ckpt.fp8 is not None else frozenset()
     quantized = fp8_load.fp8_linears(model, head=head and not config.tie_word_embeddings, skip=skip)
     fp8_load.materialize_others(model, quantized, dtype, device)
@@ -205,7 +208,8 @@ def _load_fp8(model, ckpt, config, dtype: torch.dtype, device: torch.device, loa
         fp8_load.random_fp8(model, quantized, dtype, device, gen)
         _random_weights(model)
     else:
-        fp8_load.load_fp8(model, ckpt.tensors(), quantized, dtype, device)
+        part = model.rank_rows if tp.size > 1 else None
+        fp8_load.load_fp8(model, ckpt.tensors(part), quantized, dtype, device, sliced=part is not None)
     if head and config.tie_word_embeddings:
         fp8_load.fp8_tied_head(model)
     logger.info(fp8_load.summary(model))

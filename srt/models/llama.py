@@ -190,15 +190,16 @@ class LlamaForCausalLM(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of every row of `hidden` (final-normed hidden states); sharded, every rank gets all."""
-        if self.tp.size > 1:  # each rank's vocabulary range, gathered (the last range's padding dropped)
-            head = self.lm_head if not self.config.tie_word_embeddings else None
-            local = head.product(hidden) if head is not None else self.ops.linear(hidden, self.lm_head_weight, None)
-            return self.tp.all_gather_last(local.float())[:, : self.config.vocab_size]
         if self.lm_head_quant is not None:
-            return self.lm_head_quant.matmul(hidden).float()
-        if not self.config.tie_word_embeddings:
-            return self.lm_head(hidden).float()  # honours lm_head.quant
-        return self.ops.linear(hidden, self.lm_head_weight, None).float()
+            local = self.lm_head_quant.matmul(hidden)
+        elif not self.config.tie_word_embeddings:
+            local = self.lm_head.product(hidden)  # honours lm_head.quant
+        else:
+            local = self.ops.linear(hidden, self.lm_head_weight, None)
+        if self.tp.size == 1:
+            return local.float()
+        # each rank's vocabulary range, gathered (the last range's padding dropped)
+        return self.tp.all_gather_last(local.float())[:, : self.config.vocab_size]
 
     # --- weights -------------------------------------------------------------------------------------------
     _STACKED = {  # checkpoint name part -> (our fused parameter, shard index)

@@ -17,10 +17,10 @@ IDS = [1, 504, 357, 282, 464, 314, 742, 30, 198, 178, 314, 260, 357, 282, 996, 4
 BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, initializer_range=0.05, vocab_size=1001)
 
 
-def _run(paths, size: int, tmp_path) -> list[dict]:
-    out = tmp_path / f"tp{size}.pt"
-    init = f"file://{tmp_path / f'rendezvous{size}'}"
-    args = (size, init, [str(p) for p in paths], IDS, str(out))
+def _run(paths, size: int, tmp_path, quantization: str = "none") -> list[dict]:
+    out = tmp_path / f"tp{size}{quantization}.pt"
+    init = f"file://{tmp_path / f'rendezvous{size}{quantization}'}"
+    args = (size, init, [str(p) for p in paths], IDS, str(out), quantization)
     if size == 1:
         run_rank(0, *args)
     else:
@@ -102,3 +102,24 @@ def test_engine_with_two_ranks_answers_as_one_and_checks_its_batches(tmp_path):
                 pass
     finally:
         two.shutdown()
+
+
+def test_fp8_checkpoints_and_online_fp8_shard(tmp_path):
+    """The FP8 checkpoint formats users download, each rank reading its part (per-channel weights sliced with their
+    scales; block-scaled ones folded, then sliced): dequantized (where FP8 does not run) at tp 2 they are exactly
+    the one-rank model. Run in FP8 at tp 2, online from bf16 weights too, the logits stay within e4m3's error of
+    the fp32 model's (a row-parallel shard's scales and each rank's activation scales are over its own columns,
+    so not bit-equal to one rank's)."""
+    from tests.srt.test_fp8 import SIZES, _to_fp8_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "bf16", "llama", **{**SIZES, "vocab_size": BASE["vocab_size"]})
+    fp8s = [_to_fp8_checkpoint(src, tmp_path / m, m) for m in ("compressed-tensors", "fp8")]
+    ref = _run([src], 1, tmp_path)[0]["whole"]
+    one = _run(fp8s, 1, tmp_path)
+    two = _run(fp8s, 2, tmp_path)
+    for a, b in zip(two, one):
+        assert _rel(a["whole"], b["whole"]) < 1e-5 and _rel(a["decode"], b["decode"]) < 1e-5
+        assert 0.001 < _rel(b["whole"], ref) < 0.05  # the checkpoints' e4m3 rounding is there
+    for got in _run([src, *fp8s], 2, tmp_path, quantization="fp8"):
+        assert 0.01 < _rel(got["whole"], ref) < 0.06
+        assert _rel(got["split"], got["whole"]) < 1e-4

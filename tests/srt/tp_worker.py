@@ -10,15 +10,22 @@ from types import SimpleNamespace
 import torch
 
 
-def run_rank(rank: int, size: int, init: str, paths: list[str], ids: list[int], out: str) -> None:
+def run_rank(
+    rank: int, size: int, init: str, paths: list[str], ids: list[int], out: str, quantization: str = "none"
+) -> None:
+    """`quantization` "fp8": the linears in e4m3 through torch's CPU `_scaled_mm` (the device check lifted in
+    this process, as tests/srt/test_fp8.py does)."""
     import torch.distributed as dist
 
     from radixlm.srt.distributed.parallel import SINGLE, init_tensor_parallel
+    from radixlm.srt.layers.quantization import fp8
 
     torch.set_num_threads(1)
+    if quantization == "fp8":
+        fp8.fp8_supported = lambda device: None
     tp = init_tensor_parallel(size, rank, init, "gloo", 60) if size > 1 else SINGLE
     try:
-        results = [_logits(tp, path, ids) for path in paths]
+        results = [_logits(tp, path, ids, quantization) for path in paths]
         picked = tp.broadcast_object(f"rank {rank}'s choice")  # as the tuner's picks go out from rank 0
         smallest = tp.all_reduce_min(100 + rank)
         assert picked == "rank 0's choice" and smallest == 100, (picked, smallest)
@@ -29,14 +36,14 @@ def run_rank(rank: int, size: int, init: str, paths: list[str], ids: list[int], 
             dist.destroy_process_group()
 
 
-def _logits(tp, path: str, ids: list[int]) -> dict:
+def _logits(tp, path: str, ids: list[int], quantization: str) -> dict:
     from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
     from radixlm.srt.model_executor.model_runner import ModelRunner
     from radixlm.srt.model_loader.loader import load_model
     from radixlm.srt.server_args import ServerArgs
     from tests.helpers import forward_logits
 
-    loaded = load_model(path, dtype="float32", device="cpu", quantization="none", tp=tp)
+    loaded = load_model(path, dtype="float32", device="cpu", quantization=quantization, tp=tp)
     runner = ModelRunner(loaded, ServerArgs(model_path=path, max_total_tokens=512, attention_backend="torch_native"))
     engine = SimpleNamespace(runner=runner)
     whole = forward_logits(engine, ids)

@@ -47,10 +47,16 @@ def materialize_others(
 
 
 def load_fp8(
-    model: nn.Module, tensors: Tensors, quantized: dict[str, Linear], dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    tensors: Tensors,
+    quantized: dict[str, Linear],
+    dtype: torch.dtype,
+    device: torch.device,
+    sliced: bool = False,
 ) -> None:
     """Fill `model` from checkpoint tensors: the linears in `quantized` in FP8 (a bf16 tensor is quantized per
-    output channel, an FP8 checkpoint's (e4m3, scales) pair is taken as is), the rest in `dtype`."""
+    output channel, an FP8 checkpoint's (e4m3, scales) pair is taken as is), the rest in `dtype`. `sliced`: the
+    tensors are this tensor-parallel rank's parts already (model.rank_rows)."""
     building: dict[str, list] = {}  # target -> [e4m3 weight, scales, shards left]
     targets = {f"{name}.weight" for name in quantized}
 
@@ -86,7 +92,7 @@ def load_fp8(
                 _install(module, Fp8Linear(entry[0], entry[1]), dtype, device)
                 del building[target]
 
-    model.load_weights(others(), prefilled=frozenset(targets))
+    model.load_weights(others(), prefilled=frozenset(targets), sliced=sliced)
     if building:
         from radixlm.srt.errors import ModelLoadError  # noqa: PLC0415
 
