@@ -114,19 +114,18 @@ class StepSender:
         return self._store_futures(ids)
 
     def stop(self) -> None:
-        import torch.distributed as dist
-
         self.stopped = True
         try:
             self._send((_STOP, [], None))
         except Exception:  # noqa: BLE001 - a worker already gone
             pass
+        # Leave the groups together with the workers, which do so on _STOP: NCCL's teardown waits for every rank
+        # of a communicator, so rank 0 must not first wait for the workers to exit (they wait for it there).
+        leave_groups(timeout_s=15)
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def worker_loop(runner, control, tp_group) -> None:
@@ -163,12 +162,25 @@ def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_pa
         tp, control = join(size, rank, init, args)
         loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
         worker_loop(runner, control, tp.group)
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        leave_groups(timeout_s=15)
     except Exception:  # the log names the rank; rank 0 sees the exit and ends the server
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         sys.exit(1)
+
+
+def leave_groups(timeout_s: float) -> bool:
+    """Destroy this process's groups; False when that did not end within `timeout_s` (a peer that died mid-way can
+    hold NCCL's teardown forever: the process then goes on, or exits, without it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+    t = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logger.warning("tensor-parallel groups did not tear down within %.0f s; going on without", timeout_s)
+    return not t.is_alive()
 
 
 def local_ranks(args) -> range:
