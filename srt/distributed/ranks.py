@@ -1,14 +1,15 @@
 """Serving with tensor parallelism: one decision per step.
 
 Rank 0 runs the only scheduler (admission, radix cache, grammar masks, sampling). Before each forward it
-broadcasts a step record over a gloo group: the batch (`BatchSpec`) and the request-table writes made since the
-last step (the slot numbers the attention kernels read). Ranks 1..N-1 run `worker_loop`: apply the writes, run
-the same forward, whose all-reduces and all-gather pair with rank 0's. Nothing a worker computes on its own
-can change a batch. Workers start with rank 0 (`spawn_ranks`), build their shard the same way and capture
-the same graphs, and die with it; rank 0 watches them (`watch_workers`) and ends the server when one dies.
+broadcasts a step record over a gloo group (step_record.py): the batch (`BatchSpec`) and the request-table
+writes made since the last step (the slot numbers the attention kernels read). Ranks 1..N-1 run `worker_loop`:
+apply the writes, run the same forward, whose all-reduces and all-gather pair with rank 0's. Nothing a worker
+computes on its own can change a batch. Workers start with rank 0 (`spawn_ranks`), build their shard the same
+way and capture the same graphs, and die with it; rank 0 watches them (`watch_workers`) and ends the server
+when one dies.
 
 Under overlap scheduling a step's input ids may be the previous step's sampled ids, still on the device
-(futures): rank 0 broadcasts them to the other ranks' future maps as it stores its own.
+(futures): the next record announces them and rank 0 broadcasts them over the device group right after it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,10 @@ import traceback
 import torch
 
 from radixlm.srt.distributed.parallel import SINGLE, TensorParallel, init_tensor_parallel
+from radixlm.srt.distributed.step_record import FORWARD, STOP, StepChannel, decode, encode
 
 logger = logging.getLogger(__name__)
 
-_STOP = "stop"
-_FORWARD = "forward"
-_FUTURES = "futures"
 _IDLE = datetime.timedelta(days=30)  # a worker waits for the next step as long as the server is up
 
 
@@ -80,46 +79,52 @@ class StepSender:
     """Rank 0's side: every forward of its runner is first announced to the workers."""
 
     def __init__(self, runner, tp: TensorParallel, control, procs: list):
-        self.runner, self.tp, self.control, self.procs = runner, tp, control, procs
+        self.runner, self.tp, self.procs = runner, tp, procs
+        self.control = control
+        self.channel = StepChannel(control)
         self.dead: str | None = None  # set by watch_workers
         self.stopped = False
         self.journal: list = []
+        self.futures: list[torch.Tensor] = []  # sampled ids stored since the last announcement
         runner.req_to_token_pool.journal = self.journal
         self._run_forward = runner.run_forward
         runner.run_forward = self.run_forward
         self._store_futures = runner.store_futures
         runner.store_futures = self.store_futures
 
-    def _send(self, record) -> None:
-        import torch.distributed as dist
-
-        if self.dead is not None and record[0] != _STOP:
+    def _send(self, kind: int, spec=None) -> list[torch.Tensor]:
+        """Announce a record; returns the futures it carries, for the caller to broadcast next."""
+        if self.dead is not None and kind != STOP:
             raise RuntimeError(self.dead)
-        dist.broadcast_object_list([record], src=0, group=self.control)
+        futures, self.futures = self.futures, []
+        record = encode(kind, spec, self.journal, [(ids.shape[0], ids.dtype) for ids in futures])
+        self.journal[:] = []
+        self.channel.send(record)
+        return futures
 
     def run_forward(self, spec):
-        writes, self.journal[:] = list(self.journal), []
-        self._send((_FORWARD, writes, spec))
+        import torch.distributed as dist
+
+        for ids in self._send(FORWARD, spec):  # the workers join these broadcasts before the forward
+            dist.broadcast(ids, src=0, group=self.tp.group)
         if self.runner.server_args.tp_check_batches:
             check_batch(self.runner, spec, self.control)
         return self._run_forward(spec)
 
     def store_futures(self, ids: torch.Tensor) -> int:
-        """Overlap scheduling: the sampled ids a later step reads on the device go to every rank (the ids
-        themselves over the device group, after the announcement)."""
-        import torch.distributed as dist
-
-        self._send((_FUTURES, [], (ids.shape[0], ids.dtype)))
-        dist.broadcast(ids.contiguous(), src=0, group=self.tp.group)
+        """Overlap scheduling: the sampled ids a later step reads on the device. Rank 0 keeps them at once; the
+        workers get them by a broadcast right after the next announcement, which tells them to expect it (so
+        nothing on rank 0's device waits for a worker that has not been told)."""
+        self.futures.append(ids.contiguous())
         return self._store_futures(ids)
 
     def stop(self) -> None:
         self.stopped = True
         try:
-            self._send((_STOP, [], None))
+            self._send(STOP)  # futures not yet announced are dropped on both sides
         except Exception:  # noqa: BLE001 - a worker already gone
             pass
-        # Leave the groups together with the workers, which do so on _STOP: NCCL's teardown waits for every rank
+        # Leave the groups together with the workers, which do so on STOP: NCCL's teardown waits for every rank
         # of a communicator, so rank 0 must not first wait for the workers to exit (they wait for it there).
         leave_groups(timeout_s=15)
         for p in self.procs:
@@ -133,24 +138,20 @@ def worker_loop(runner, control, tp_group) -> None:
     says stop."""
     import torch.distributed as dist
 
-    pool = runner.req_to_token_pool
+    pool, channel = runner.req_to_token_pool, StepChannel(control)
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
-        kind, writes, spec = box[0]
-        if kind == _STOP:
+        rec = decode(channel.recv())
+        if rec.kind == STOP:
             return
-        if kind == _FUTURES:
-            n, dtype = spec
+        if rec.writes is not None:
+            pool.write_many(*rec.writes)
+        for n, dtype in rec.futures:
             ids = torch.empty(n, dtype=dtype, device=runner.device)
             dist.broadcast(ids, src=0, group=tp_group)
             runner.store_futures(ids)
-            continue
-        for method, args in writes:
-            getattr(pool, method)(*args)
         if runner.server_args.tp_check_batches:
-            check_batch(runner, spec, control)
-        runner.run_forward(spec)
+            check_batch(runner, rec.spec, control)
+        runner.run_forward(rec.spec)
 
 
 def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_path, parent_pid: int) -> None:
