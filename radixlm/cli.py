@@ -54,13 +54,21 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
+def _router(argv: list[str]) -> int:
+    from radixlm.srt.router.launch import main as router_main
+
+    router_main(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": _generate, "serve": _serve}
+    commands = {"generate": _generate, "serve": _serve, "router": _router}
     if not argv or argv[0] not in commands:
         print(
-            "usage: radixlm {serve,generate} ...\n"
+            "usage: radixlm {serve,router,generate} ...\n"
             "  serve             start the OpenAI-compatible HTTP server (see `radixlm serve --help`)\n"
+            "  router            one endpoint over many servers (see `radixlm router --help`)\n"
             "  generate PROMPT   answer one prompt (default model: the embedded SmolLM2-135M-Instruct)",
             file=sys.stderr,
         )

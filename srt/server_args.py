@@ -55,6 +55,13 @@ class ServerArgs:
     )
     nnodes: int = _opt(1, "hosts the tp_size ranks span (tp_size / nnodes ranks on each)")
     node_rank: int = _opt(0, "this host's index: node 0 serves HTTP and schedules, the others run ranks only")
+    # Data parallelism
+    dp_size: int = _opt(1, "replicas of the model on this host behind one router (radixlm router) on --port")
+    router_policy: str = _opt(
+        "cache_aware",
+        "with --dp-size: how the router picks a replica",
+        ("cache_aware", "round_robin", "least_load", "random"),
+    )
     random_seed: int = _opt(0, "seed for anything not seeded per request")
     # HTTP
     host: str = _opt("127.0.0.1", "HTTP host")
@@ -173,6 +180,10 @@ class ServerArgs:
             raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("dp_size > 1 starts its replicas on this host: use one node (nnodes 1)")
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} (ranks per host)")
         if self.nnodes > 1 and not self.dist_init_addr:

@@ -229,6 +229,13 @@ def create_app(
             "http_cpu_guard": tm.cpu_guard.state() if tm.cpu_guard is not None else None,
         }
 
+    @app.get("/load")
+    async def load():
+        """What a router weighs: prompts waiting (and their tokens), requests running, KV cache in use."""
+        s = (await tm.control("get_stats", timeout=2)).payload
+        keys = ("num_waiting", "waiting_tokens", "num_running", "kv_total", "kv_used", "kv_evictable")
+        return {k: s[k] for k in keys} | {"requests_in_flight": len(tm.states)}
+
     @app.post("/flush_cache")
     async def flush_cache():
         resp = await tm.control("flush_cache")

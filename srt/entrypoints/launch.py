@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     # Until uvicorn installs its own handlers, SIGTERM interrupts start-up like Ctrl-C so children are cleaned up.
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.dp_size > 1:
+        from radixlm.srt.router.launch import run_data_parallel
+
+        sys.exit(run_data_parallel(list(sys.argv[1:] if argv is None else argv), args))
     sys.exit(launch_server(args))
 
 

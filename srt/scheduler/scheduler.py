@@ -196,6 +196,7 @@ class Scheduler:
             cache_hit_rate=self.stats.cache_hit_rate,
             num_running=len(self.running) + (self.chunked is not None),
             num_waiting=len(self.waiting),
+            waiting_tokens=sum(len(r.input_ids) for r in self.waiting),
             kv_total=self.kv_pool.size,
             kv_free=self.kv_pool.available_size(),
             kv_cached=self.tree_cache.total_size(),
