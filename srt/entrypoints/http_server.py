@@ -229,12 +229,32 @@ def create_app(
             "http_cpu_guard": tm.cpu_guard.state() if tm.cpu_guard is not None else None,
         }
 
+    kv_seen: dict = {}  # the scheduler's last KV figures (/load answers even while a long step runs)
+
     @app.get("/load")
     async def load():
-        """What a router weighs: prompts waiting (and their tokens), requests running, KV cache in use."""
-        s = (await tm.control("get_stats", timeout=2)).payload
-        keys = ("num_waiting", "waiting_tokens", "num_running", "kv_total", "kv_used", "kv_evictable")
-        return {k: s[k] for k in keys} | {"requests_in_flight": len(tm.states)}
+        """What a router weighs, from this process's own requests (those without a first token are queued or in
+        prefill) and the scheduler's KV figures when it answers within half a second (else the last ones)."""
+        if tm.dead or not children_alive():
+            return error_response(ServiceUnavailable(tm.dead or "a server process is not running"))
+        states = list(tm.states.values())
+        pending = [st for st in states if st.first_token_at is None]
+        stale = False
+        try:
+            stats = (await tm.control("get_stats", timeout=0.5)).payload
+            kv_seen.update({k: stats[k] for k in ("kv_total", "kv_used", "kv_evictable")})
+        except ServiceUnavailable:
+            stale = True
+        return {
+            "num_waiting": len(pending),
+            "waiting_tokens": sum(len(st.input_ids) for st in pending),
+            "num_running": len(states) - len(pending),
+            "requests_in_flight": len(states),
+            "kv_total": kv_seen.get("kv_total", 0),
+            "kv_used": kv_seen.get("kv_used", 0),
+            "kv_evictable": kv_seen.get("kv_evictable", 0),
+            "kv_stale": stale,
+        }
 
     @app.post("/flush_cache")
     async def flush_cache():

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 RUNNING_COST = 64  # a running request's weight in prompt tokens: a share of every decode step it rides
 KV_FULL = 0.9  # KV use above which a worker takes new prompts only when every worker is that full
-DOWN_AFTER = 2  # failed health checks in a row before a worker is marked down
+DOWN_AFTER = 3  # failed health checks in a row before a worker is marked down (at once when nothing listens)
 
 
 @dataclass
@@ -96,11 +96,12 @@ class WorkerSet:
     # --- health ------------------------------------------------------------------------------------------------
     async def check(self, client: httpx.AsyncClient, w: Worker) -> None:
         try:
-            r = await client.get(f"{w.url}/load", timeout=max(1.0, 2 * self.health_interval_s))
+            # generous: a worker busy with a long step on a shared host answers late but is not down
+            r = await client.get(f"{w.url}/load", timeout=max(5.0, 2 * self.health_interval_s))
             r.raise_for_status()
             d = r.json()
         except (httpx.HTTPError, ValueError) as e:
-            w.fails += 1
+            w.fails = DOWN_AFTER if isinstance(e, httpx.ConnectError) else w.fails + 1
             if w.up and w.fails >= DOWN_AFTER:
                 w.up = False
                 logger.warning("worker %s marked down: %s", w.url, type(e).__name__)
