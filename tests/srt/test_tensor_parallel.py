@@ -17,9 +17,10 @@ IDS = [1, 504, 357, 282, 464, 314, 742, 30, 198, 178, 314, 260, 357, 282, 996, 4
 BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, initializer_range=0.05, vocab_size=1001)
 
 
-def _run(paths, size: int, tmp_path, quantization: str = "none") -> list[dict]:
-    out = tmp_path / f"tp{size}{quantization}.pt"
-    init = f"file://{tmp_path / f'rendezvous{size}{quantization}'}"
+def _run(paths, size: int, tmp_path, quantization: str | list = "none") -> list[dict]:
+    tag = quantization if isinstance(quantization, str) else "-".join(quantization)
+    out = tmp_path / f"tp{size}{tag}.pt"
+    init = f"file://{tmp_path / f'rendezvous{size}{tag}'}"
     args = (size, init, [str(p) for p in paths], IDS, str(out), quantization)
     if size == 1:
         run_rank(0, *args)
@@ -116,10 +117,10 @@ def test_fp8_checkpoints_and_online_fp8_shard(tmp_path):
     fp8s = [_to_fp8_checkpoint(src, tmp_path / m, m) for m in ("compressed-tensors", "fp8")]
     ref = _run([src], 1, tmp_path)[0]["whole"]
     one = _run(fp8s, 1, tmp_path)
-    two = _run(fp8s, 2, tmp_path)
+    two = _run([*fp8s, src, *fp8s], 2, tmp_path, quantization=["none", "none", "fp8", "fp8", "fp8"])  # one group
     for a, b in zip(two, one):
         assert _rel(a["whole"], b["whole"]) < 1e-5 and _rel(a["decode"], b["decode"]) < 1e-5
         assert 0.001 < _rel(b["whole"], ref) < 0.05  # the checkpoints' e4m3 rounding is there
-    for got in _run([src, *fp8s], 2, tmp_path, quantization="fp8"):
+    for got in two[2:]:
         assert 0.01 < _rel(got["whole"], ref) < 0.06
         assert _rel(got["split"], got["whole"]) < 1e-4

@@ -11,21 +11,22 @@ import torch
 
 
 def run_rank(
-    rank: int, size: int, init: str, paths: list[str], ids: list[int], out: str, quantization: str = "none"
+    rank: int, size: int, init: str, paths: list[str], ids: list[int], out: str, quantization: str | list = "none"
 ) -> None:
-    """`quantization` "fp8": the linears in e4m3 through torch's CPU `_scaled_mm` (the device check lifted in
-    this process, as tests/srt/test_fp8.py does)."""
+    """`quantization`: one for every checkpoint, or one each; "fp8": the linears in e4m3 through torch's CPU
+    `_scaled_mm` (the device check lifted in this process, as tests/srt/test_fp8.py does)."""
     import torch.distributed as dist
 
     from radixlm.srt.distributed.parallel import SINGLE, init_tensor_parallel
     from radixlm.srt.layers.quantization import fp8
 
     torch.set_num_threads(1)
-    if quantization == "fp8":
+    methods = [quantization] * len(paths) if isinstance(quantization, str) else list(quantization)
+    if "fp8" in methods:
         fp8.fp8_supported = lambda device: None
     tp = init_tensor_parallel(size, rank, init, "gloo", 60) if size > 1 else SINGLE
     try:
-        results = [_logits(tp, path, ids, quantization) for path in paths]
+        results = [_logits(tp, path, ids, method) for path, method in zip(paths, methods)]
         picked = tp.broadcast_object(f"rank {rank}'s choice")  # as the tuner's picks go out from rank 0
         smallest = tp.all_reduce_min(100 + rank)
         assert picked == "rank 0's choice" and smallest == 100, (picked, smallest)
