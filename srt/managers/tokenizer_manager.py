@@ -255,14 +255,21 @@ class TokenizerManager:
             return
         queue = states[0].queue
         pending = {s.rid for s in states}
+        # A client that hangs up is noticed within _DISCONNECT_CHECK_S: when no update comes for that long, and
+        # as often while updates keep coming (a whole answer being generated for no one)
+        next_check = time.perf_counter() + _DISCONNECT_CHECK_S
         try:
             while pending:
                 try:
                     st, out = await _next_update(queue)
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    st = out = None
+                if request is not None and (out is None or time.perf_counter() >= next_check):
+                    next_check = time.perf_counter() + _DISCONNECT_CHECK_S
+                    if await request.is_disconnected():
                         logger.info("client disconnected; aborting %d request(s)", len(pending))
                         return
+                if out is None:
                     continue
                 if out.finished_reason is not None:
                     pending.discard(st.rid)

@@ -91,6 +91,22 @@ class _Metrics:
         return generate_latest(self.registry)
 
 
+class _KeyGuard:
+    """The API key on every route but /health and /metrics. Plain ASGI: a wrapping `BaseHTTPMiddleware` would hide
+    a client's disconnect from the route that waits for a worker's whole answer."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
+            if dict(scope["headers"]).get(b"authorization") != self.want:
+                refused = error(401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(cfg: RouterConfig) -> FastAPI:
     workers = WorkerSet(list(cfg.worker_urls), cfg.index_capacity, cfg.health_interval_s)
     policy = Policy(cfg.policy)
@@ -113,14 +129,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="radixlm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.workers, app.state.policy = workers, policy
 
-    def authorized(request: Request) -> bool:
-        return cfg.api_key is None or request.headers.get("authorization") == f"Bearer {cfg.api_key}"
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path not in ("/health", "/metrics") and not authorized(request):
-            return error(401, "invalid or missing API key", "invalid_request_error", "invalid_api_key")
-        return await call_next(request)
+    if cfg.api_key is not None:
+        app.add_middleware(_KeyGuard, key=cfg.api_key)
 
     # --- generation -----------------------------------------------------------------------------------------
     async def route(request: Request, path: str):
@@ -146,14 +156,20 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             rid = workers.opened(w, tokens)
             done = True
             try:
-                up = await client.send(
-                    client.build_request("POST", w.url + path, content=raw, headers=headers), stream=True
+                up = await _unless_gone(
+                    request,
+                    client.send(
+                        client.build_request("POST", w.url + path, content=raw, headers=headers), stream=True
+                    ),  # fmt: skip
                 )
             except httpx.TransportError:
                 workers.closed(w, rid)
                 workers.failed(w)
                 metrics.retries.inc()
                 continue
+            if up is None:  # the client hung up before the worker answered: dropping the request aborts it there
+                workers.closed(w, rid)
+                return Response(status_code=499)
             try:
                 if up.status_code >= 500 and attempt == 0:
                     await up.aread()
@@ -161,7 +177,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                     continue
                 kind = up.headers.get("content-type", "application/json")
                 if "text/event-stream" not in kind:
-                    content = await up.aread()
+                    content = await _unless_gone(request, up.aread())
+                    if content is None:  # the client hung up: closing the worker's answer aborts it there
+                        return Response(status_code=499)
                     return Response(content, up.status_code, media_type=kind)
                 chunks = up.aiter_raw()
                 first = await anext(chunks, b"")
@@ -177,6 +195,23 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                     workers.closed(w, rid)
         metrics.failed.labels("workers_failed").inc()
         return error(502, "the request failed on two workers", "server_error", "workers_failed")
+
+    async def _unless_gone(request: Request, work):
+        """`work`'s result, or None once the client has disconnected (checked twice a second while waiting; the
+        work is then cancelled, which closes its connection to the worker)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await task
 
     async def _relay(first: bytes, chunks, up: httpx.Response, w, rid: int):
         try:

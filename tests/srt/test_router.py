@@ -7,8 +7,8 @@ real HTTP, the real openai client; a second router (round_robin) over the same w
   requests, about 0.6 of the tokens.)
 - Pass-through: logprobs, n > 1, streams, response_format, tools and bad input answered as the worker answers.
 - Workers at run time: added and removed with the router's API key, refused without it.
-- Faults (last: it kills a worker): no request that had not started streaming is lost, no stream ends silently
-  cut, and the dead worker gets no new requests.
+- Faults: a client that hangs up is aborted at its worker; and (last: it kills a worker) no request that had
+  not started streaming is lost, no stream ends silently cut, and the dead worker gets no new requests.
 """
 
 from __future__ import annotations
@@ -178,6 +178,22 @@ def test_workers_added_and_removed_at_run_time(dp):
         assert out.status_code == 503 and out.json()["error"]["code"] == "no_worker"
     finally:
         r.stop()
+
+
+def test_a_client_that_hangs_up_is_aborted_at_the_worker(dp):
+    """A whole (not streamed) answer whose client goes away: the router closes its request to the worker, which
+    aborts it, instead of generating the rest for no one."""
+    body = {"text": "Count:", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{dp.url}/generate", json=body, timeout=httpx.Timeout(60, read=2))
+
+    def in_flight() -> int:
+        return sum(httpx.get(f"{u}/load", timeout=10).json()["requests_in_flight"] for u in dp.workers)
+
+    deadline = time.monotonic() + 10
+    while in_flight() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert in_flight() == 0
 
 
 def test_a_killed_worker_loses_no_request_that_had_not_started(dp):
