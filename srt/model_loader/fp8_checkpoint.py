@@ -95,13 +95,7 @@ def fp8_tensors(
 def _paired(name: str, q: torch.Tensor, where: dict, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
     if not fmt.block:
         return q, _scales(name, q.shape[0], where)
-    from safetensors import safe_open  # noqa: PLC0415
-
-    key = name[: -len(".weight")] + ".weight_scale_inv"
-    if not name.endswith(".weight") or key not in where:
-        raise ModelLoadError(f"FP8 tensor {name!r} has no weight_scale_inv in the checkpoint", param="model_path")
-    with safe_open(where[key], framework="pt") as f:
-        scale = f.get_tensor(key)
+    scale = _stored_scale(name, ".weight_scale_inv", where)
     try:
         return fold_block_scales(q, scale, fmt.block)
     except ValueError as e:
@@ -110,14 +104,19 @@ def _paired(name: str, q: torch.Tensor, where: dict, fmt: Fp8Format) -> tuple[to
 
 def _scales(name: str, rows: int, where: dict) -> torch.Tensor:
     """The per-channel scales of per-channel (or per-tensor) e4m3 weight `name` with `rows` output channels."""
-    from safetensors import safe_open  # noqa: PLC0415
-
-    key = name[: -len(".weight")] + ".weight_scale"
-    if not name.endswith(".weight") or key not in where:
-        raise ModelLoadError(f"FP8 tensor {name!r} has no weight_scale in the checkpoint", param="model_path")
-    with safe_open(where[key], framework="pt") as f:
-        scale = f.get_tensor(key)
+    scale = _stored_scale(name, ".weight_scale", where)
     try:
-        return channel_scales(scale, rows, key)
+        return channel_scales(scale, rows, name[: -len(".weight")] + ".weight_scale")
     except ValueError as e:
         raise ModelLoadError(str(e), param="model_path") from e
+
+
+def _stored_scale(name: str, suffix: str, where: dict) -> torch.Tensor:
+    """The scale tensor stored beside e4m3 weight `name` (its `.weight` part replaced by `suffix`)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    key = name[: -len(".weight")] + suffix
+    if not name.endswith(".weight") or key not in where:
+        raise ModelLoadError(f"FP8 tensor {name!r} has no {suffix[1:]} in the checkpoint", param="model_path")
+    with safe_open(where[key], framework="pt") as f:
+        return f.get_tensor(key)
