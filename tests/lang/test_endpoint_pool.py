@@ -1,25 +1,31 @@
 """RuntimeEndpoint's HTTP connection pool under run_batch, against a stub server (no model): every program thread
 keeps its own kept-alive connection (no connect/close churn past httpx's default of 20 idle connections), and
-more than httpx's default of 100 requests can be in flight at once."""
+more than httpx's default of 100 requests can be in flight at once.
+
+The stub holds each generate request at a barrier until `gather` of them are in flight, so the overlap the
+assertions need is made by the stub, not hoped for from a sleep: a client that cannot have `gather` requests
+open at once leaves the barrier to time out, and the peak it reached is what the test reports."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 import radixlm as sgl
 
+_GATHER_TIMEOUT_S = 30.0  # generous for a loaded 2-core host; only a client that caps concurrency waits it out
+
 
 class _Stub(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # accept backlog: many threads connect at once (uvicorn's is 2048)
 
-    def __init__(self, delay: float):
-        self.delay = delay
+    def __init__(self, gather: int):
+        # Broken (not waited on again) after one timeout: a client capped below `gather` then fails fast.
+        self.barrier = threading.Barrier(gather, timeout=_GATHER_TIMEOUT_S)
         self.lock = threading.Lock()
         self.connections = self.requests = self.in_flight = self.peak = 0
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -54,7 +60,10 @@ class _Handler(BaseHTTPRequestHandler):
             srv.requests += 1
             srv.in_flight += 1
             srv.peak = max(srv.peak, srv.in_flight)
-        time.sleep(srv.delay)  # every thread's request is in flight at once
+        try:
+            srv.barrier.wait()  # released only when `gather` requests are open at once
+        except threading.BrokenBarrierError:
+            pass  # answered anyway; the test reads the peak that was reached
         with srv.lock:
             srv.in_flight -= 1
         self._send(
@@ -74,8 +83,8 @@ class _Handler(BaseHTTPRequestHandler):
 def stub():
     servers = []
 
-    def start(delay: float) -> _Stub:
-        srv = _Stub(delay)
+    def start(gather: int) -> _Stub:
+        srv = _Stub(gather)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
         return srv
@@ -104,17 +113,17 @@ def _run_batch(srv: _Stub, n: int) -> list:
 
 
 def test_run_batch_reuses_one_connection_per_thread(stub):
-    srv = stub(0.05)
     threads = 48
+    srv = stub(threads)  # each turn of all 48 programs is in flight at once, beyond httpx's 20 kept alive
     states = _run_batch(srv, threads)
     assert [s["t2"] for s in states] == [" ok"] * threads
     assert srv.requests == 3 * threads
-    assert srv.peak > 20  # the turns really overlapped beyond httpx's default keep-alive pool
+    assert srv.peak == threads
     # 1 for /get_model_info, then at most one per thread; httpx's default pool (20 kept alive) opened ~3x more
     assert srv.connections <= 1 + threads
 
 
 def test_run_batch_not_capped_at_100_requests_in_flight(stub):
-    srv = stub(1.0)  # long enough that every thread's first turn overlaps even on a busy 2-core host
+    srv = stub(128)
     _run_batch(srv, 128)
-    assert srv.peak > 100  # httpx's default max_connections=100 queued the rest in the client
+    assert srv.peak == 128  # httpx's default max_connections=100 would queue 28 in the client: the barrier breaks
