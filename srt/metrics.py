@@ -47,6 +47,17 @@ class Metrics:
         self.gen_throughput = gauge(
             "radixlm_gen_throughput_tokens_per_second", "Generated tokens per busy second of the scheduler"
         )
+        self.spec_accept_rate = gauge(
+            "radixlm_spec_accept_rate", "Speculative decoding: accepted / drafted tokens since start"
+        )
+        self.spec_accept_length = gauge(
+            "radixlm_spec_accept_length",
+            "Speculative decoding: tokens a drafting request gains per verify step (accepted drafts + 1)",
+        )
+        self.spec_draft_tokens = gauge("radixlm_spec_draft_tokens", "Speculative decoding: draft tokens since start")
+        self.spec_accepted_tokens = gauge(
+            "radixlm_spec_accepted_tokens", "Speculative decoding: draft tokens accepted since start"
+        )
         self._labels = labels
         self._grammar: dict = {}
         r.register(_GrammarCollector(self))
@@ -68,6 +79,11 @@ class Metrics:
         self.hit_rate.set(stats["cache_hit_rate"])
         self.gen_throughput.set(stats["gen_throughput"])
         self._grammar = stats.get("grammar") or {}
+        if stats.get("speculative"):
+            self.spec_accept_rate.set(stats["spec_accept_rate"])
+            self.spec_accept_length.set(stats["spec_accept_length"])
+            self.spec_draft_tokens.set(stats["spec_draft_tokens"])
+            self.spec_accepted_tokens.set(stats["spec_accepted_tokens"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -138,6 +138,21 @@ class ServerArgs:
         "interrupts, softirqs or the hypervisor, checked every 2 s), none (the kernel "
         "places them), or a list such as 2-7,9 (the scheduler pinned there)",
     )
+    speculative_algorithm: str | None = _opt(
+        None,
+        "speculative decoding: ngram drafts the next tokens from the request's own prompt and output (prompt "
+        "lookup) and from continuations already in the radix cache, and verifies them in one forward; the "
+        "output is exactly what plain decoding gives (greedy and sampled)",
+        (None, "ngram"),
+    )
+    speculative_num_draft_tokens: int = _opt(4, "most tokens drafted for a request per step (k)")
+    speculative_ngram_min: int = _opt(2, "shortest n-gram of the sequence's tail looked up for a draft")
+    speculative_ngram_max: int = _opt(4, "longest n-gram looked up (the longest match wins)")
+    speculative_max_batch_size: int | None = _opt(
+        None,
+        "draft only while at most this many requests decode; larger batches decode plainly, where verifying "
+        "drafts costs more than it saves (default: 8 on a CPU, 16 on a GPU)",
+    )
     grammar_backend: str = _opt(
         "auto",
         "constrained decoding backend: auto picks, per request, the first of "
@@ -210,6 +225,17 @@ class ServerArgs:
                     f"scheduler_cpus {self.scheduler_cpus!r} names CPUs this process may not use "
                     f"(allowed: {sorted(os.sched_getaffinity(0))})"
                 )
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be at least 1, got {self.speculative_num_draft_tokens}"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(
+                "speculative n-gram sizes must satisfy 1 <= min <= max, got "
+                f"{self.speculative_ngram_min}..{self.speculative_ngram_max}"
+            )
+        if self.speculative_max_batch_size is not None and self.speculative_max_batch_size < 1:
+            raise ValueError(f"speculative_max_batch_size must be positive, got {self.speculative_max_batch_size}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

@@ -13,6 +13,7 @@ import torch
 from radixlm.srt.distributed.ranks import start_ranks
 from radixlm.srt.errors import InvalidRequest
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
+from radixlm.srt.managers.io_struct import spec_meta
 from radixlm.srt.managers.request_prep import (
     PreparedInput,
     check_logprob_args,
@@ -179,6 +180,7 @@ class Engine:
                         "cached_tokens": out.cached_tokens,
                         "e2e_latency": time.perf_counter() - s["start"],
                         **s["logprobs"],
+                        **(spec_meta(out.spec) if out.spec is not None else {}),
                     },
                 }
             )

@@ -57,6 +57,20 @@ class IncrementalDetokenizer:
         self.states.pop(rid, None)
 
     def process(self, outputs: list[TokenOutput]) -> list[DetokOutput]:
+        """Text deltas for a step's outputs. A request may have several outputs in one batch (a step that
+        finished what was in flight, then ran another); they are taken in order, one round per output."""
+        results: list[DetokOutput] = []
+        while outputs:
+            seen: set[str] = set()
+            now, later = [], []
+            for out in outputs:
+                (later if out.rid in seen else now).append(out)
+                seen.add(out.rid)
+            results += self._process_round(now)
+            outputs = later
+        return results
+
+    def _process_round(self, outputs: list[TokenOutput]) -> list[DetokOutput]:
         groups: dict[tuple[bool, bool], list[tuple[TokenOutput, _State, list[int]]]] = defaultdict(list)
         results = []
         for out in outputs:

@@ -68,6 +68,8 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     # Sent with a request's first output so the detokenizer knows how to render it.
     detok: dict | None = None
+    # Speculative decoding, so far: (verify steps with a draft, draft tokens, draft tokens accepted); None without.
+    spec: tuple[int, int, int] | None = None
 
     @property
     def failed(self) -> bool:
@@ -118,3 +120,14 @@ class ControlResp(msgspec.Struct, tag=True):
 
 
 TokenizerIn = Union[BatchStrOutput, ControlResp]
+
+
+def spec_meta(spec: tuple[int, int, int]) -> dict:
+    """meta_info's speculative-decoding fields from TokenOutput.spec (as SGLang names the verify count)."""
+    steps, drafted, accepted = spec
+    return {
+        "spec_verify_ct": steps,
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_accept_rate": accepted / drafted if drafted else 0.0,
+    }

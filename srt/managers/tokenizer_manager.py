@@ -28,6 +28,7 @@ from radixlm.srt.managers.io_struct import (
     GenerateReq,
     TokenizerIn,
     TokenOutput,
+    spec_meta,
 )
 from radixlm.srt.managers.request_prep import PreparedInput, check_request_limits, expand, tokenize
 from radixlm.srt.metrics import Metrics
@@ -71,6 +72,7 @@ class ReqState:
     input_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
+    spec: tuple[int, int, int] | None = None  # speculative decoding counters (TokenOutput.spec)
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -105,6 +107,9 @@ class ReqState:
             m["output_top_logprobs"] = self.output_top_logprobs[:n]
         if self.input_logprobs:
             m["input_token_logprobs"] = self.input_logprobs
+        spec = self.spec if upto is None else upto.spec
+        if spec is not None:
+            m.update(spec_meta(spec))
         return m
 
     def final_output(self) -> TokenOutput:
@@ -349,6 +354,8 @@ class TokenizerManager:
                 out.completion_tokens,
                 out.cached_tokens,
             )
+            if out.spec is not None:
+                st.spec = tuple(out.spec)
             if out.input_logprobs:
                 st.input_logprobs = list(out.input_logprobs)
             if out.output_logprobs:

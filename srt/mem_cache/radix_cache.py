@@ -74,6 +74,28 @@ class RadixCache:
         self._push_if_evictable(node)
         return (torch.cat(parts) if parts else _EMPTY), node
 
+    def continuation(self, key: list[int], k: int) -> list[int]:
+        """Up to k tokens the tree holds right after the whole of `key` (another request's prompt or answer that
+        went on from there), following the most recently used branch; [] when `key` is not cached in full. Reads
+        only: no split, no access time touched (speculative drafts must not keep entries alive)."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                return []
+            size = len(child.key)
+            if key[pos : pos + size] == child.key:  # the common case, compared in C
+                pos, node = pos + size, child
+                continue
+            n = _common_len(child.key, key, pos)
+            pos += n
+            return child.key[n : n + k] if pos == len(key) else []
+        out: list[int] = []
+        while len(out) < k and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out += node.key[: k - len(out)]
+        return out
+
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Add `key` with its slots. Returns how many leading tokens were already cached: the caller still owns
         those slots of `value` (duplicates) and must free them."""
@@ -220,6 +242,9 @@ class ChunkCache:
 
     def evict(self, num_tokens: int) -> int:
         return 0
+
+    def continuation(self, key: list[int], k: int) -> list[int]:
+        return []
 
     def flush(self) -> bool:
         return True

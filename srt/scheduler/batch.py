@@ -40,6 +40,11 @@ class ScheduledBatch:
     future_base: int | None = None  # overlap: where the sampled ids went among the runner's futures
     # overlap: this batch's grammar mask, filling while the step before is processed
     mask_future: concurrent.futures.Future | None = None
+    # Speculative verify: each request's draft (its 1 + len(draft) positions are all sampled), the offset of
+    # each sampled row past its request's tokens, and the host grammar mask of every row (None: unconstrained).
+    drafts: list[list[int]] | None = None
+    row_offsets: list[int] | None = None
+    verify_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +135,52 @@ def build_extend(
     )
 
 
+def build_verify(
+    reqs: list[Req], drafts: list[list[int]], slots: torch.Tensor, req_pool: ReqToTokenPool
+) -> ScheduledBatch:
+    """Speculative verify: each running request computes its last token and its draft in one extend, and every
+    one of those positions is sampled (row j of a request predicts the token after its j-th draft token)."""
+    input_ids, positions, seq_lens, prefix_lens, ext_lens, sample_pos, offsets = [], [], [], [], [], [], []
+    offset = 0
+    for i, (r, d) in enumerate(zip(reqs, drafts)):
+        n = 1 + len(d)
+        start = r.kv_len
+        req_pool.write(r.req_pool_idx, start, slots[offset : offset + n])
+        input_ids += [decode_input(r), *d]
+        positions += range(start, start + n)
+        prefix_lens.append(start)
+        ext_lens.append(n)
+        r.kv_len = start + n
+        seq_lens.append(r.kv_len)
+        sample_pos += [i] * n
+        offsets += range(n)
+        offset += n
+    spec = BatchSpec(
+        ForwardMode.EXTEND,
+        input_ids,
+        positions,
+        [r.req_pool_idx for r in reqs],
+        seq_lens,
+        slots,
+        logits_indices=list(range(offset)),
+        extend_prefix_lens=prefix_lens,
+        extend_seq_lens=ext_lens,
+    )
+    return ScheduledBatch(
+        ForwardMode.EXTEND,
+        list(reqs),
+        ext_lens,
+        [r.epoch for r in reqs],
+        slots,
+        spec,
+        [reqs[i] for i in sample_pos],
+        sample_pos,
+        [True] * len(reqs),
+        drafts=drafts,
+        row_offsets=offsets,
+    )
+
+
 def build_decode(reqs: list[Req], slots: torch.Tensor, req_pool: ReqToTokenPool) -> ScheduledBatch:
     rows = [r.req_pool_idx for r in reqs]
     cols = [r.kv_len for r in reqs]
@@ -151,8 +202,13 @@ def build_decode(reqs: list[Req], slots: torch.Tensor, req_pool: ReqToTokenPool)
     )
 
 
-def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingBatchInfo:
+def sampling_info(
+    reqs: list[Req], vocab_size: int, device: torch.device, offsets: list[int] | None = None
+) -> SamplingBatchInfo:
+    """`offsets`: per row, how many tokens past its request's current ones the row samples (speculative verify:
+    the seeded noise and min_new_tokens are those of that later step)."""
     ps = [r.sampling_params for r in reqs]
+    steps = [r.produced() for r in reqs] if offsets is None else [r.produced() + o for r, o in zip(reqs, offsets)]
     greedy = [p.is_greedy for p in ps]
 
     def f(values, dtype=torch.float32):
@@ -175,7 +231,7 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
     if not info.all_greedy:  # the common all-greedy batch needs none of these on the device
         top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
         floats = f([[1.0 if g else p.temperature, p.top_p, p.min_p] for p, g in zip(ps, greedy)])
-        ints = f([[k, r.seed, r.produced(), g] for k, r, g in zip(top_ks, reqs, greedy)], torch.int64)
+        ints = f([[k, r.seed, n, g] for k, r, n, g in zip(top_ks, reqs, steps, greedy)], torch.int64)
         info.temperatures, info.top_ps, info.min_ps = floats[:, 0:1], floats[:, 1], floats[:, 2]
         info.top_ks, info.seeds, info.steps, info.greedy = ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3].bool()
         info.need_top_k_p = any(p.top_p < 1.0 or k < vocab_size for p, k, g in zip(ps, top_ks, greedy) if not g)
@@ -187,7 +243,7 @@ def sampling_info(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
     banned = [
         (i, t)
         for i, r in enumerate(reqs)
-        if r.produced() < r.sampling_params.min_new_tokens
+        if steps[i] < r.sampling_params.min_new_tokens
         for t in r.stop_token_ids
         if t < vocab_size
     ]

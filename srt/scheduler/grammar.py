@@ -166,6 +166,34 @@ class SchedulerGrammar:
             kind.fill_masks(pairs, mask)
         return mask
 
+    def draft_masks(self, reqs: list, drafts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Speculative verify: each constrained request's draft cut at the first token its grammar refuses, and
+        the host bitmask of every verified position (request i owns 1 + len(draft i) rows, in order): row j is
+        the grammar's state after the request's first j draft tokens. The matchers end where they started.
+        None for the mask when no request is constrained."""
+        if not any(r.grammar is not None for r in reqs):
+            return drafts, None
+        mask = allocate(sum(1 + len(d) for d in drafts), self.vocab_size, pin=False)  # rows for the uncut drafts
+        cut, row = [], 0
+        for r, d in zip(reqs, drafts):
+            m = r.grammar
+            if m is not None:
+                m.fill_mask(mask, row)
+                keep = 0
+                while keep < len(d) and m.accept(d[keep]):
+                    if m.is_terminated():  # the request ends on this token: sampling it is the last position
+                        m.rollback(1)
+                        break
+                    keep += 1
+                    m.fill_mask(mask, row + keep)
+                if keep:
+                    m.rollback(keep)
+                d = d[:keep]
+            cut.append(d)
+            row += 1 + len(d)
+        mask = mask[:row]
+        return cut, mask
+
     def accept_first(self, batch, next_ids: list[int], sample_index: dict[int, int], following) -> dict[int, bool]:
         """Under overlap, the batch launched after `batch` samples once `batch`'s tokens are accepted by their
         grammars, so its mask lies on the host's critical path (from those tokens reaching the host to the next

@@ -18,6 +18,7 @@ from radixlm.srt.scheduler.grammar import SchedulerGrammar
 from radixlm.srt.scheduler.kv import ReqKV
 from radixlm.srt.scheduler.req import Req
 from radixlm.srt.scheduler.stats import SchedulerStats
+from radixlm.srt.speculative.drafter import Drafter
 
 
 @dataclass
@@ -39,6 +40,8 @@ class OutputProcessor:
         """Read a step's tokens back and hand them to their requests. `following`: the batch launched after it
         (overlap), whose sampling waits for this step's tokens; its grammar mask is started as soon as they are
         accepted (see SchedulerGrammar.accept_first)."""
+        if batch.drafts is not None:
+            return self._process_verify(batch)
         sampled, prompt_lps = batch.pending.wait()
         pos = 0
         for i, n in batch.lp_reqs:
@@ -76,14 +79,50 @@ class OutputProcessor:
                 self.kv.publish_prefix(r)  # share the prompt with others while this request decodes
         return out
 
+    def _process_verify(self, batch: ScheduledBatch) -> Processed:
+        """A speculative verify step: each request's sampled positions are taken in order while the token sampled
+        at a position equals the draft token the next position was computed from; the first that differs, or
+        the one after the last draft, ends the request's step. Each token is appended exactly as a plain decode
+        step would (grammar, stop checks, logprobs), so the answer is the non-speculative one; the KV of the
+        rejected draft tokens is freed at once."""
+        sampled, _ = batch.pending.wait()
+        out = Processed()
+        row = 0
+        for i, r in enumerate(batch.reqs):
+            draft = batch.drafts[i]
+            first, row = row, row + 1 + len(draft)
+            if not batch.is_current(i):
+                continue
+            start_kv = r.kv_len - 1 - len(draft)  # the position of the request's last token before this step
+            new_ids, taken, accepted, jumped = [], 0, 0, False
+            for j in range(1 + len(draft)):
+                last = j == len(draft) or sampled.next_ids[first + j] != draft[j]
+                ids, jumped = self._append_token(r, sampled, first + j, None, None, jump=last)
+                new_ids += ids
+                taken += 1
+                if r.finished or last:
+                    break
+                accepted += 1
+            Drafter.record(r, len(draft), accepted)
+            self.stats.spec_accepted_tokens += accepted
+            # The last token and the accepted drafts have KV now; the token taken last is computed next step.
+            self.kv.truncate(r, start_kv + 1 + accepted)
+            out.outputs.append(self.output(r, new_ids, sampled, first + taken - 1, taken))
+            if r.finished:
+                out.finished.append(r)
+            elif jumped:
+                out.requeued.append(r)
+        return out
+
     def _append_token(
-        self, r: Req, sampled, i: int, ref: int | None, grammar_done: bool | None
+        self, r: Req, sampled, i: int, ref: int | None, grammar_done: bool | None, jump: bool = True
     ) -> tuple[list[int], bool]:
         """Append the token; returns the ids this step adds (more than one after a jump-forward) and whether it
         jumped forward. `ref`: where
         the step put this token among the futures; a later step may already have sampled the request's next
         token (sampling launched before this step was processed): its future stays pending. `grammar_done`:
-        the token was already accepted by the request's grammar (and whether that completed it)."""
+        the token was already accepted by the request's grammar (and whether that completed it). `jump`: a
+        jump-forward may follow (a verify step allows it only after its last token)."""
         token = sampled.next_ids[i]
         r.output_ids.append(token)
         if r.pending_ref == ref:
@@ -99,7 +138,7 @@ class OutputProcessor:
         new_ids, done, jumped = [token], False, False
         if r.grammar is not None:
             done = self.grammar.accept(r, token) if grammar_done is None else grammar_done
-            if not done:
+            if not done and jump:
                 forced = self._jump_forward(r)
                 if forced is not None:
                     new_ids, jumped = forced, True
@@ -129,12 +168,13 @@ class OutputProcessor:
         r.pending_ref = None
         return r.output_ids[start:]
 
-    def output(self, r: Req, new_ids: list[int], sampled=None, i: int = 0) -> TokenOutput:
-        """The request's update for this step (`sampled`, row `i`: the logprobs of its one new token)."""
+    def output(self, r: Req, new_ids: list[int], sampled=None, i: int = 0, sampled_tokens: int = 1) -> TokenOutput:
+        """The request's update for this step (`sampled`: the step's samples; the logprobs of the request's last
+        `sampled_tokens` tokens go with it, more than one after a speculative verify)."""
         lp = top = None
         if sampled is not None and r.return_logprob:
-            lp = r.output_token_logprobs[-1:]
-            top = r.output_top_logprobs[-1:] if r.top_logprobs_num else None
+            lp = r.output_token_logprobs[-sampled_tokens:]
+            top = r.output_top_logprobs[-sampled_tokens:] if r.top_logprobs_num else None
         o = TokenOutput(
             rid=r.rid,
             new_ids=new_ids,
@@ -145,6 +185,8 @@ class OutputProcessor:
             output_logprobs=lp,
             output_top_logprobs=top,
         )
+        if r.spec_verify_steps:
+            o.spec = (r.spec_verify_steps, r.spec_draft_tokens, r.spec_accepted_tokens)
         if not r.detok_sent:
             o.detok = _detok_options(r.sampling_params)
             r.detok_sent = True

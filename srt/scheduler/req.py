@@ -14,6 +14,7 @@ from radixlm.srt.sampling.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from radixlm.srt.constrained.base import GrammarSpec, Matcher
     from radixlm.srt.mem_cache.radix_cache import TreeNode
+    from radixlm.srt.speculative.ngram import NgramIndex
 
 
 @dataclass(eq=False)
@@ -48,6 +49,15 @@ class Req:
     # are recognised as stale and dropped.
     pending_ref: int | None = None
     epoch: int = 0
+
+    # Speculative decoding: the n-gram index over fill_ids, and the back-off after drafts that were all rejected
+    # (the request drafts again after `spec_skip` plain steps).
+    spec_index: NgramIndex | None = None
+    spec_misses: int = 0
+    spec_skip: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     input_token_logprobs: list = field(default_factory=list)
     input_logprobs_sent: bool = False

@@ -28,7 +28,7 @@ import torch
 from radixlm.srt.managers.io_struct import FinishReason, TokenOutput
 from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
-from radixlm.srt.scheduler.batch import ScheduledBatch, build_extend, sampling_info
+from radixlm.srt.scheduler.batch import ScheduledBatch, build_extend, build_verify, sampling_info
 from radixlm.srt.scheduler.decode import make_room, schedule_decode
 from radixlm.srt.scheduler.grammar import SchedulerGrammar
 from radixlm.srt.scheduler.kv import ReqKV
@@ -37,6 +37,7 @@ from radixlm.srt.scheduler.policy import SchedulePolicy
 from radixlm.srt.scheduler.prefill import Admission, PrefillBudget
 from radixlm.srt.scheduler.req import Req
 from radixlm.srt.scheduler.stats import SchedulerStats, StepInfo
+from radixlm.srt.speculative.drafter import Drafter, SpecConfig
 from radixlm.srt.utils import freeze_startup_objects, to_device
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ class Scheduler:
         self.grammar = SchedulerGrammar(
             args, tokenizer, runner.vocab_size, runner.config.eos_token_ids, runner.device, self.overlap
         )
+        spec = SpecConfig.from_args(args, runner.device.type)
+        self.drafter = Drafter(spec, self.tree_cache, self.context_length) if spec is not None else None
         self.outputs = OutputProcessor(tokenizer, self.context_length, self.grammar, self.kv, self.stats)
         freeze_startup_objects()  # the model, tokenizer and graphs, out of the collector's full passes
 
@@ -155,6 +158,15 @@ class Scheduler:
         return self._apply(self.outputs.process(batch))
 
     def _step_overlap(self) -> list[TokenOutput]:
+        if self._speculating():
+            # Drafts are looked up on the host from every token so far, so a speculative step cannot be scheduled
+            # while the previous one is still on the device: these steps run in order (as SGLang does with its
+            # n-gram drafts). Large batches, which overlap helps most, do not draft (SpecConfig.max_batch_size).
+            outputs = []
+            if self.inflight is not None:
+                outputs = self._apply(self.outputs.process(self.inflight))
+                self.inflight = None
+            return outputs + self._step_plain()
         # Sampling that reads nothing from the step in flight is launched with the forward, so the device has
         # the whole step queued while the host processes the previous one; grammar masks and penalties need
         # that step's tokens, so such a batch samples after it is processed.
@@ -172,6 +184,11 @@ class Scheduler:
             self.inflight = batch
             self.last_step.sampled_early = early
         return outputs
+
+    def _speculating(self) -> bool:
+        return self.drafter is not None and self.drafter.active(
+            sum(r.decodable(self.context_length) for r in self.running)
+        )
 
     def _poll_grammars(self) -> None:
         ready, failed = self.grammar.poll()
@@ -210,6 +227,9 @@ class Scheduler:
             grammar=asdict(self.grammar.stats()),
             cuda_graph=self.runner.uses_cuda_graphs,
             tp_size=self.runner.tp.size,
+            speculative=self.drafter is not None,
+            spec_accept_rate=self.stats.spec_accept_rate,
+            spec_accept_length=self.stats.spec_accept_length,
         )
         s["kv_used"] = s["kv_total"] - s["kv_free"] - s["kv_evictable"]
         return s
@@ -230,12 +250,33 @@ class Scheduler:
             self.stats.retractions += 1
             # Admission was too optimistic: assume requests need all they asked for, then relax again.
             self.new_token_ratio = 1.0
-        batch = schedule_decode(self.running, self.kv, self.req_pool, self.context_length)
+        batch = self._schedule_verify() if self._speculating() else None
+        if batch is None:
+            batch = schedule_decode(self.running, self.kv, self.req_pool, self.context_length)
         if batch is None:
             return None
         self.stats.decode_steps += 1
-        self.last_step = StepInfo("decode", len(batch.reqs), len(batch.reqs))
+        if batch.drafts is None:
+            self.last_step = StepInfo("decode", len(batch.reqs), len(batch.reqs))
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return batch
+
+    def _schedule_verify(self) -> ScheduledBatch | None:
+        """A decode step with drafts (see speculative/drafter.py), or None when no request drafts."""
+        reqs = [r for r in self.running if r.decodable(self.context_length)]
+        drafts = self.drafter.propose(reqs, self.kv.room() - len(reqs))
+        if not any(drafts):
+            return None
+        drafts, mask = self.grammar.draft_masks(reqs, drafts)
+        if not any(drafts):
+            return None
+        batch = build_verify(reqs, drafts, self.kv.alloc(len(reqs) + sum(map(len, drafts))), self.req_pool)
+        batch.verify_mask = mask
+        drafting = sum(1 for d in drafts if d)
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_drafting_requests += drafting
+        self.stats.spec_draft_tokens += sum(map(len, drafts))
+        self.last_step = StepInfo("verify", len(reqs), len(batch.slots))
         return batch
 
     def _prefill_budget(self) -> PrefillBudget:
@@ -299,8 +340,14 @@ class Scheduler:
             with self._fail_batch_on_oom(batch):
                 n = len(batch.sample_reqs)
                 logits = batch.logits
-                info = sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device) if n else None
-                if n:  # grammar masks from the matchers as they are after the previous step's tokens
+                info = (
+                    sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device, batch.row_offsets)
+                    if n
+                    else None
+                )
+                if batch.drafts is not None:  # every verified position's mask, filled when the drafts were cut
+                    info.vocab_mask = None if batch.verify_mask is None else to_device(batch.verify_mask, logits.device)
+                elif n:  # grammar masks from the matchers as they are after the previous step's tokens
                     info.vocab_mask = self.grammar.batch_mask(
                         batch.sample_reqs, [batch.is_current(i) for i in batch.sample_pos], batch.mask_future
                     )
@@ -313,7 +360,7 @@ class Scheduler:
                 batch.logits = None
         except BatchFailed:
             return False
-        if self.overlap and n:
+        if self.overlap and n and batch.drafts is None:  # a verify step is processed before the next is scheduled
             batch.future_base = base = self.runner.store_futures(batch.pending.ids)
             for j, i in enumerate(batch.sample_pos):
                 if batch.is_current(i):

@@ -19,17 +19,33 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     busy_seconds: float = 0.0
+    # Speculative decoding: verify steps, request-steps with a draft, draft tokens, draft tokens accepted.
+    spec_verify_steps: int = 0
+    spec_drafting_requests: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def spec_accept_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a drafting request gained per verify step: its accepted draft tokens plus the one sampled."""
+        if not self.spec_drafting_requests:
+            return 0.0
+        return (self.spec_accepted_tokens + self.spec_drafting_requests) / self.spec_drafting_requests
 
 
 @dataclass
 class StepInfo:
     """The batch a step scheduled."""
 
-    mode: str  # "extend" or "decode"
+    mode: str  # "extend", "decode" or "verify" (speculative)
     batch_size: int  # requests computing new tokens (prompts or chunks; every request for decode)
     tokens: int  # tokens computed (prompt tokens for extend, not counting riders)
     decode_riders: int = 0  # running requests decoding inside an extend batch (mixed chunks, prefill budget)

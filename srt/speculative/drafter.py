@@ -1,0 +1,105 @@
+"""The scheduler's side of speculative decoding: which requests draft this step and what they draft.
+
+A draft is a guess of a request's next tokens; the verify step computes the logits of the request's last token
+and of every draft token in one forward (an extend over the paged KV) and samples each position as plain
+decoding would, keyed by the same per-request seed and step (layers/sampler.py). A draft token is kept while it
+equals the token sampled before it, so the output is exactly the non-speculative one; the first token that
+differs (or the token after the last draft) comes for free. Drafts come from the radix tree first (another
+request already went on from exactly this sequence: a repeated prompt, a shared agent turn), else from prompt
+lookup over the request's own tokens (ngram.py).
+
+What keeps it safe and cheap:
+- Requests with repetition, frequency or presence penalties do not draft (their later positions' logits would
+  depend on the draft's own counts); they decode in the same batch with no draft.
+- A constrained request's draft is walked through its grammar matcher and cut at the first token the grammar
+  refuses; the matcher's mask for every verified position is filled on the way, then the matcher is rolled
+  back (SchedulerGrammar.draft_masks).
+- A request whose last draft was rejected outright waits 1, 2, 4 ... (at most 16) steps before drafting again,
+  so free-form text with spurious n-gram matches costs little.
+- Above `max_batch_size` decoding requests nobody drafts: a large batch is already compute-bound and every
+  draft token costs almost what a request's step does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixlm.srt.speculative.ngram import NgramIndex
+
+_MAX_SKIP = 16
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_draft_tokens: int
+    ngram_min: int
+    ngram_max: int
+    max_batch_size: int
+
+    @classmethod
+    def from_args(cls, args, device_type: str) -> SpecConfig | None:
+        if args.speculative_algorithm is None:
+            return None
+        bs = args.speculative_max_batch_size
+        if bs is None:
+            bs = 8 if device_type == "cpu" else 16
+        return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max, bs)
+
+
+class Drafter:
+    def __init__(self, cfg: SpecConfig, tree_cache, context_length: int):
+        self.cfg = cfg
+        self.tree_cache = tree_cache
+        self.context_length = context_length
+
+    def active(self, decoding: int) -> bool:
+        return 0 < decoding <= self.cfg.max_batch_size
+
+    def propose(self, reqs: list, room: int) -> list[list[int]]:
+        """One draft per request (possibly empty), at most `room` draft tokens in all (KV slots beyond the one
+        each request needs anyway)."""
+        drafts = []
+        for r in reqs:
+            d = self._draft(r, room) if room > 0 else []
+            room -= len(d)
+            drafts.append(d)
+        return drafts
+
+    def _draft(self, r, room: int) -> list[int]:
+        if r.sampling_params.has_penalties():
+            return []
+        if r.spec_skip > 0:
+            r.spec_skip -= 1
+            return []
+        # The token sampled by the verify step is always kept, so a draft of k leaves room for k + 1 tokens.
+        produced = len(r.output_ids)
+        k = min(
+            self.cfg.num_draft_tokens,
+            r.max_new_tokens - produced - 1,
+            self.context_length - len(r.input_ids) - produced - 1,
+            room,
+        )
+        if k <= 0:
+            return []
+        seq = r.fill_ids
+        draft = self.tree_cache.continuation(seq, k)
+        if draft:
+            return draft
+        if r.spec_index is None:
+            r.spec_index = NgramIndex(self.cfg.ngram_min, self.cfg.ngram_max)
+        r.spec_index.sync(seq, r.epoch)
+        return r.spec_index.propose(k)
+
+    @staticmethod
+    def record(r, drafted: int, accepted: int) -> None:
+        """After a verify step: the request's counters and its back-off."""
+        if not drafted:
+            return
+        r.spec_verify_steps += 1
+        r.spec_draft_tokens += drafted
+        r.spec_accepted_tokens += accepted
+        if accepted:
+            r.spec_misses = 0
+        else:
+            r.spec_misses += 1
+            r.spec_skip = min(1 << (r.spec_misses - 1), _MAX_SKIP)
