@@ -1,0 +1,187 @@
+"""Speculative decoding (n-gram drafts) against plain decoding, in-process, batch by batch.
+
+For each workload and batch size the same prompts run twice on one Engine configuration each: plain decoding
+and `--speculative-algorithm ngram`, greedy, the same output length. Reported per row: output tok/s, the mean
+time per output token of a request (its ITL), the speed-up, the drafts' acceptance rate and accepted length.
+The cache is flushed before every run, so no answer is drafted from an earlier run's answer in the radix tree.
+
+Workloads (the embedded model, real weights, real acceptance):
+  copy   each prompt gives a passage and asks for it back (a RAG answer quoting its document);
+  free   open-ended questions (drafts come only from what the model repeats on its own).
+
+    python benchmarks/bench_speculative.py --batch-sizes 1 8 32 --output-len 64 \
+        --out benchmarks/results/cpu-2core-avx2/speculative/spec.json --plot .../spec.png
+    python benchmarks/bench_speculative.py ... speculative_max_batch_size=1024   # drafting at every size
+
+Extra `key=value` arguments go to both Engines (e.g. quantization=none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
+
+PASSAGES = [
+    "The Amazon River flows through Peru, Colombia and Brazil. It carries more water than any other river, and "
+    "its basin holds the largest rainforest on Earth.",
+    "Copper is a soft, malleable metal with very high thermal and electrical conductivity. It is used in wires, "
+    "pipes, coins and cooking pans.",
+    "The lighthouse stood on a rock at the mouth of the bay. Every night its keeper climbed the stairs, lit the "
+    "lamp and watched the ships pass.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It takes place in the "
+    "chloroplasts of plant cells.",
+    "Mount Everest is the highest mountain above sea level. It lies in the Himalayas on the border between "
+    "Nepal and China.",
+    "A binary search halves the range it looks at with every comparison, so it finds an item in a sorted list "
+    "of a million entries in about twenty steps.",
+    "The library opens at nine in the morning and closes at six in the evening. On Sundays it opens at noon.",
+    "Honey bees live in colonies with one queen, thousands of workers and a few hundred drones. Workers gather "
+    "nectar and pollen.",
+]
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain why the sky is blue.",
+    "What are the benefits of regular exercise?",
+    "Describe a busy market in the morning.",
+    "How does a refrigerator work?",
+    "Give advice to someone learning to cook.",
+    "Why do leaves change colour in autumn?",
+    "Describe your ideal weekend.",
+]
+
+
+def prompts(engine, workload: str, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        if workload == "copy":
+            text = f"Document {i}: {PASSAGES[i % len(PASSAGES)]}\nCopy the document above exactly."
+        else:
+            text = f"({i}) {QUESTIONS[i % len(QUESTIONS)]}"
+        out.append(engine.chat_ids([{"role": "user", "content": text}]))
+    return out
+
+
+def run(engine, ids: list[list[int]], output_len: int) -> dict:
+    engine.flush_cache()
+    params = {"temperature": 0, "max_new_tokens": output_len}
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    wall = time.perf_counter() - t0
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    drafted = sum(o["meta_info"].get("spec_draft_tokens", 0) for o in outs)
+    accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
+    steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    per_request = max(o["meta_info"]["completion_tokens"] for o in outs)
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "tok_s": tokens / wall,
+        "itl_ms": 1000 * wall / max(per_request, 1),
+        "accept_rate": accepted / drafted if drafted else None,
+        "accept_length": (accepted + steps) / steps if steps else None,
+        "outputs": [o["output_ids"] for o in outs],
+    }
+
+
+def _number(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--workloads", nargs="+", default=["copy", "free"], choices=("copy", "free"))
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per row; the faster is kept")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
+    args = ap.parse_args()
+    extra = {k: _number(v) for k, v in (kv.split("=", 1) for kv in args.engine_args)}
+    common = dict(log_level="warning", **extra)
+    rows = []
+    engines = {
+        "plain": radixlm.Engine(args.model_path, **common),
+        "ngram": radixlm.Engine(
+            args.model_path,
+            speculative_algorithm="ngram",
+            speculative_num_draft_tokens=args.draft_tokens,
+            **common,
+        ),
+    }
+    try:
+        for e in engines.values():  # warm the kernels of both step shapes
+            e.generate(input_ids=prompts(e, "copy", 2), sampling_params={"max_new_tokens": 16, "temperature": 0})
+        for workload in args.workloads:
+            for bs in args.batch_sizes:
+                ids = prompts(engines["plain"], workload, bs)
+                res = {}
+                for name, e in engines.items():
+                    best = None
+                    for _ in range(args.repeats):
+                        r = run(e, ids, args.output_len)
+                        best = r if best is None or r["wall_s"] < best["wall_s"] else best
+                    res[name] = best
+                same = res["plain"]["outputs"] == res["ngram"]["outputs"]
+                row = {
+                    "workload": workload,
+                    "batch_size": bs,
+                    "plain_tok_s": res["plain"]["tok_s"],
+                    "ngram_tok_s": res["ngram"]["tok_s"],
+                    "speedup": res["ngram"]["tok_s"] / res["plain"]["tok_s"],
+                    "plain_itl_ms": res["plain"]["itl_ms"],
+                    "ngram_itl_ms": res["ngram"]["itl_ms"],
+                    "accept_rate": res["ngram"]["accept_rate"],
+                    "accept_length": res["ngram"]["accept_length"],
+                    "same_outputs": same,
+                }
+                rows.append(row)
+                print(
+                    f"{workload:5s} bs {bs:4d}: plain {row['plain_tok_s']:8.1f} tok/s, ngram "
+                    f"{row['ngram_tok_s']:8.1f} ({row['speedup']:.2f}x); ITL {row['plain_itl_ms']:.1f} -> "
+                    f"{row['ngram_itl_ms']:.1f} ms; accepted {row['accept_rate'] or 0:.2f}, "
+                    f"{row['accept_length'] or 0:.2f} tok/verify; same outputs {same}",
+                    flush=True,
+                )
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        cfg = {k: v for k, v in vars(args).items() if k not in ("out", "plot")}
+        meta = {"machine": platform.node(), "processor": platform.processor(), "config": cfg, "rows": rows}
+        Path(args.out).write_text(json.dumps(meta, indent=1))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for workload in args.workloads:
+            pts = [(r["batch_size"], r["speedup"]) for r in rows if r["workload"] == workload]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=workload)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("n-gram / plain output tok/s")
+        ax.legend()
+        ax.set_title("Speculative decoding (n-gram drafts)")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
