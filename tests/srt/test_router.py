@@ -1,7 +1,7 @@
 """`radixlm serve --dp-size 3`: three workers of the embedded model behind the cache-aware router, real processes,
 real HTTP, the real openai client; a second router (round_robin) over the same workers for comparison.
 
-- Prefix hits: a shared-prefix workload (8 system prompts of ~300 words, 64 chat requests, 8 at a time) keeps
+- Prefix hits: a shared-prefix workload (8 system prompts of ~150 words, 64 chat requests, 8 at a time) keeps
   its cache hits with cache_aware and loses many with round_robin, with the same greedy answers. (With 3 workers
   and 8 prompts round_robin still hits once each worker has seen a prompt: at most (64 - 24) / 64 of the
   requests, about 0.6 of the tokens.)
@@ -67,7 +67,7 @@ class RouterProcess:
 @pytest.fixture(scope="module")
 def dp():
     # fp32 (the GGUF dequantized): a cached prefix and a fresh prefill then round alike, so greedy answers compare
-    srv = ServerProcess("--dp-size", "3", "--quantization", "none", "--max-total-tokens", "16000", timeout=300)
+    srv = ServerProcess("--dp-size", "3", "--quantization", "none", "--max-total-tokens", "6000", timeout=300)
     srv.workers = [w["url"] for w in httpx.get(f"{srv.url}/workers", timeout=10).json()["workers"]]
     yield srv
     srv.stop(timeout=60)
@@ -109,7 +109,7 @@ def _shared_prefix_run(url: str, requests) -> tuple[float, list[str]]:
 
 def test_cache_aware_keeps_prefix_hits_that_round_robin_loses(dp, rr):
     rng = random.Random(0)
-    systems = [f"System {g}: " + " ".join(rng.choice(WORDS) for _ in range(300)) for g in range(8)]
+    systems = [f"System {g}: " + " ".join(rng.choice(WORDS) for _ in range(150)) for g in range(8)]
     requests = [(systems[rng.randrange(8)], f"Question {i}: what is {rng.choice(WORDS)}?") for i in range(64)]
     aware, aware_answers = _shared_prefix_run(dp.url, requests)
     spread, spread_answers = _shared_prefix_run(rr.url, requests)

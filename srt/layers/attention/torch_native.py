@@ -29,11 +29,18 @@ class TorchNativeMetadata:
     out_idx: torch.Tensor | None = None  # extend: padded output rows that are real
 
 
+_ROWS_AS_DECODE = 16  # an extend whose requests add at most this many tokens each runs them as decode rows
+
+
 @dataclass
 class CpuDecodeMetadata:
-    """Decode through our C kernel: it reads each request's own slots from req_to_token, no gather, no padding."""
+    """Decode through our C kernel: it reads each request's own slots from req_to_token, no gather, no padding.
+    For a short extend (a speculative verify, decodes riding along a small prompt chunk) every query row is
+    one such decode row: row j of a request attends to its first prefix + j + 1 slots (`rows`, `seq_lens`)."""
 
     max_len: int
+    rows: torch.Tensor | None = None  # extend: the request-table row of every query row
+    seq_lens: torch.Tensor | None = None  # extend: how many slots every query row attends to
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -49,13 +56,21 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _c_decode(self, fb: ForwardBatch) -> bool:
         pool = fb.token_to_kv_pool
-        return (
-            self.cpu_decode and fb.mode.is_decode and pool.dtype == torch.float32 and pool.k_buffer.shape[-1] % 16 == 0
-        )
+        if not (self.cpu_decode and pool.dtype == torch.float32 and pool.k_buffer.shape[-1] % 16 == 0):
+            return False
+        return fb.mode.is_decode or max(fb.extend_seq_lens_cpu) <= _ROWS_AS_DECODE
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if self._c_decode(fb):
-            fb.attn_metadata = CpuDecodeMetadata(max(fb.seq_lens_cpu))
+            meta = CpuDecodeMetadata(max(fb.seq_lens_cpu))
+            if not fb.mode.is_decode:
+                rows, lens = [], []
+                for row, prefix, n in zip(fb.req_pool_indices_cpu, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+                    rows += [row] * n
+                    lens += range(prefix + 1, prefix + n + 1)
+                meta.rows = torch.tensor(rows, dtype=torch.int64)
+                meta.seq_lens = torch.tensor(lens, dtype=torch.int64)
+            fb.attn_metadata = meta
             return
         device = fb.seq_lens.device
         max_kv = max(fb.seq_lens_cpu)
@@ -94,7 +109,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
 
     def forward_extend(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
-        meta: TorchNativeMetadata = fb.attn_metadata
+        meta = fb.attn_metadata
+        if isinstance(meta, CpuDecodeMetadata):
+            return self._c_rows(q, layer, fb, meta.rows, meta.seq_lens, meta.max_len)
         keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta.kv_idx, q.dtype)
         b, max_q = meta.q_idx.shape
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])]).index_select(0, meta.q_idx.view(-1))
@@ -105,20 +122,24 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(self, q, layer, fb: ForwardBatch) -> torch.Tensor:
         meta = fb.attn_metadata
         if isinstance(meta, CpuDecodeMetadata):
-            pool = fb.token_to_kv_pool
-            return cpu_kernels.decode_attention(
-                q.float(),
-                pool.k_buffer[layer.layer_id],
-                pool.v_buffer[layer.layer_id],
-                fb.req_to_token_pool.req_to_token,
-                fb.req_pool_indices,
-                fb.seq_lens,
-                meta.max_len,
-                layer.scaling,
-            )
+            return self._c_rows(q, layer, fb, fb.req_pool_indices, fb.seq_lens, meta.max_len)
         keys, values = self._gather_kv(fb.token_to_kv_pool, layer, meta.kv_idx, q.dtype)
         out = self._sdpa(q[:, :, None, :], keys, values, meta.mask, layer)
         return out.reshape(q.shape[0], -1)
+
+    @staticmethod
+    def _c_rows(q, layer, fb: ForwardBatch, rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        return cpu_kernels.decode_attention(
+            q.float(),
+            pool.k_buffer[layer.layer_id],
+            pool.v_buffer[layer.layer_id],
+            fb.req_to_token_pool.req_to_token,
+            rows,
+            seq_lens,
+            max_len,
+            layer.scaling,
+        )
 
     def _sdpa(self, q, keys, values, mask, layer) -> torch.Tensor:
         """SDPA over query-row slices small enough that a kernel materializing the [B, H, q, kv] scores
