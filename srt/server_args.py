@@ -151,7 +151,8 @@ class ServerArgs:
     speculative_max_batch_size: int | None = _opt(
         None,
         "draft only while at most this many requests decode; larger batches decode plainly, where verifying "
-        "drafts costs more than it saves (default: 8 on a CPU, 16 on a GPU)",
+        "drafts costs more than it saves (default: 1 on a CPU, where each extra row of a step costs compute; 16 on a "
+        "GPU)",
     )
     grammar_backend: str = _opt(
         "auto",

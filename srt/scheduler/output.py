@@ -29,8 +29,17 @@ class Processed:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, context_length: int, grammar: SchedulerGrammar, kv: ReqKV, stats: SchedulerStats):
+    def __init__(
+        self,
+        tokenizer,
+        context_length: int,
+        grammar: SchedulerGrammar,
+        kv: ReqKV,
+        stats: SchedulerStats,
+        drafter: Drafter | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.drafter = drafter
         self.context_length = context_length
         self.grammar = grammar
         self.kv = kv
@@ -103,7 +112,7 @@ class OutputProcessor:
                 if r.finished or last:
                     break
                 accepted += 1
-            Drafter.record(r, len(draft), accepted)
+            self.drafter.record(r, len(draft), accepted)
             self.stats.spec_accepted_tokens += accepted
             # The last token and the accepted drafts have KV now; the token taken last is computed next step.
             self.kv.truncate(r, start_kv + 1 + accepted)

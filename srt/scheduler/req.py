@@ -55,6 +55,8 @@ class Req:
     spec_index: NgramIndex | None = None
     spec_misses: int = 0
     spec_skip: int = 0
+    spec_len: int | None = None  # the request's own draft length (adapted to how much of its drafts holds)
+    spec_rate: float = 1.0  # running share of its draft tokens accepted (halved weight per verify step)
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -97,7 +97,7 @@ class Scheduler:
         )
         spec = SpecConfig.from_args(args, runner.device.type)
         self.drafter = Drafter(spec, self.tree_cache, self.context_length) if spec is not None else None
-        self.outputs = OutputProcessor(tokenizer, self.context_length, self.grammar, self.kv, self.stats)
+        self.outputs = OutputProcessor(tokenizer, self.context_length, self.grammar, self.kv, self.stats, self.drafter)
         freeze_startup_objects()  # the model, tokenizer and graphs, out of the collector's full passes
 
     # --- public interface ----------------------------------------------------------------------------------

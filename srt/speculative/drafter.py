@@ -14,10 +14,12 @@ What keeps it safe and cheap:
 - A constrained request's draft is walked through its grammar matcher and cut at the first token the grammar
   refuses; the matcher's mask for every verified position is filled on the way, then the matcher is rolled
   back (SchedulerGrammar.draft_masks).
-- A request whose last draft was rejected outright waits 1, 2, 4 ... (at most 16) steps before drafting again,
-  so free-form text with spurious n-gram matches costs little.
-- Above `max_batch_size` decoding requests nobody drafts: a large batch is already compute-bound and every
-  draft token costs almost what a request's step does.
+- A request drafts at most one token more than its last draft kept (all of k after a draft that held in full),
+  and one whose last draft was mostly rejected (under half of it kept) waits 1, 2, 4 ... (at most 16) steps
+  before drafting again, so free-form text with spurious n-gram matches costs little.
+- With several requests decoding on a CPU, a request drafts only while most of its drafts hold (`shared_floor`):
+  past one row every extra row of a step costs compute there. Above `max_batch_size` decoding requests nobody
+  drafts: a large batch is compute-bound on any device and a draft token costs almost what a request's step does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class SpecConfig:
     ngram_min: int
     ngram_max: int
     max_batch_size: int
+    # With more than one request decoding, a request drafts only while this share of its drafts holds: where
+    # every extra row of a step costs compute (a CPU past one row), a half-right draft is a loss.
+    shared_floor: float = 0.0
 
     @classmethod
     def from_args(cls, args, device_type: str) -> SpecConfig | None:
@@ -42,8 +47,11 @@ class SpecConfig:
             return None
         bs = args.speculative_max_batch_size
         if bs is None:
-            bs = 8 if device_type == "cpu" else 16
-        return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max, bs)
+            # CPU: past one request every draft row costs compute, and free text lost 2-25% at 4 and 8
+            # requests in bench_speculative (copying gained 11-35%); GPU: a first guess, not yet measured.
+            bs = 1 if device_type == "cpu" else 16
+        floor = 0.7 if device_type == "cpu" else 0.0
+        return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max, bs, floor)
 
 
 class Drafter:
@@ -59,22 +67,26 @@ class Drafter:
         """One draft per request (possibly empty), at most `room` draft tokens in all (KV slots beyond the one
         each request needs anyway)."""
         drafts = []
+        floor = self.cfg.shared_floor if len(reqs) > 1 else 0.0
         for r in reqs:
-            d = self._draft(r, room) if room > 0 else []
+            d = self._draft(r, room, floor) if room > 0 else []
             room -= len(d)
             drafts.append(d)
         return drafts
 
-    def _draft(self, r, room: int) -> list[int]:
+    def _draft(self, r, room: int, floor: float) -> list[int]:
         if r.sampling_params.has_penalties():
             return []
         if r.spec_skip > 0:
             r.spec_skip -= 1
             return []
+        if r.spec_rate < floor:  # park it, then let one draft probe whether its text has turned copyable
+            r.spec_skip, r.spec_rate = _MAX_SKIP, floor
+            return []
         # The token sampled by the verify step is always kept, so a draft of k leaves room for k + 1 tokens.
         produced = len(r.output_ids)
         k = min(
-            self.cfg.num_draft_tokens,
+            self.cfg.num_draft_tokens if r.spec_len is None else r.spec_len,
             r.max_new_tokens - produced - 1,
             self.context_length - len(r.input_ids) - produced - 1,
             room,
@@ -90,16 +102,19 @@ class Drafter:
         r.spec_index.sync(seq, r.epoch)
         return r.spec_index.propose(k)
 
-    @staticmethod
-    def record(r, drafted: int, accepted: int) -> None:
-        """After a verify step: the request's counters and its back-off."""
+    def record(self, r, drafted: int, accepted: int) -> None:
+        """After a verify step: the request's counters, its draft length and its back-off."""
         if not drafted:
             return
         r.spec_verify_steps += 1
         r.spec_draft_tokens += drafted
         r.spec_accepted_tokens += accepted
-        if accepted:
+        r.spec_rate = 0.5 * r.spec_rate + 0.5 * accepted / drafted
+        # A draft that held in full earns a longer one; otherwise the next is one longer than what held.
+        k = self.cfg.num_draft_tokens
+        r.spec_len = min(k, drafted + 1) if accepted == drafted else max(1, accepted + 1)
+        if 2 * accepted >= drafted:
             r.spec_misses = 0
-        else:
+        else:  # most of the draft was wrong: its rows cost more than the tokens they gave
             r.spec_misses += 1
             r.spec_skip = min(1 << (r.spec_misses - 1), _MAX_SKIP)

@@ -54,6 +54,7 @@ def spec(request):
     overlap = request.param == "overlap"
     e = _engine(
         speculative_algorithm="ngram",
+        speculative_max_batch_size=8,  # the batches below draft (a CPU's default drafts at batch 1 only)
         force_overlap_schedule=overlap,
         disable_overlap_schedule=not overlap,
     )
@@ -163,7 +164,7 @@ def test_sampled_tokens_follow_plain_decodings_distribution(plain):
     same distribution (a chi-square test at p = 0.001; every run is seeded, so it is deterministic). A verifier
     that favoured its drafts would put far more mass on the copied token."""
     prompt, position, n = COPY_HEAVY[2], 4, 64
-    spec = _engine(speculative_algorithm="ngram", disable_overlap_schedule=True)
+    spec = _engine(speculative_algorithm="ngram", speculative_max_batch_size=8, disable_overlap_schedule=True)
     counts = []
     for engine, base in ((plain, 1000), (spec, 5000)):
         toks = []
@@ -273,3 +274,31 @@ def test_detokenizer_takes_two_updates_of_one_request_in_one_batch_in_order(plai
         texts.append("".join(deltas))
     assert texts[0] == " The Amazon River flows through Peru, Colombia and "
     assert texts[1] == texts[2] == texts[0]
+
+
+def test_draft_length_and_back_off_follow_what_held():
+    from radixlm.srt.mem_cache.radix_cache import ChunkCache
+    from radixlm.srt.sampling.sampling_params import SamplingParams
+    from radixlm.srt.scheduler.req import Req
+    from radixlm.srt.speculative.drafter import Drafter, SpecConfig
+
+    drafter = Drafter(SpecConfig(4, 2, 4, 8, shared_floor=0.7), ChunkCache(None), 4096)
+    r = Req("a", [5, 6, 7, 8, 9, 5, 6], SamplingParams(max_new_tokens=64), seed=0, max_new_tokens=64)
+    r.output_ids = [7]
+    assert drafter.propose([r], 100) == [[8, 9, 5, 6]]
+    drafter.record(r, 4, 4)  # held in full: full length again
+    assert drafter.propose([r], 100) == [[8, 9, 5, 6]]
+    assert drafter.propose([r], 2) == [[8, 9]]  # no more than the KV room
+    drafter.record(r, 4, 1)  # mostly wrong: one plain step, then one token more than held
+    assert drafter.propose([r], 100) == [[]]
+    assert drafter.propose([r], 100) == [[8, 9]]
+    drafter.record(r, 2, 0)  # wrong again: two plain steps
+    assert drafter.propose([r], 100) == [[]] and drafter.propose([r], 100) == [[]]
+    # Several requests decoding: one whose drafts mostly failed is parked (16 steps), the other drafts.
+    other = Req("b", [5, 6, 7, 8, 9, 5, 6], SamplingParams(max_new_tokens=64), seed=0, max_new_tokens=64)
+    other.output_ids = [7]
+    assert r.spec_rate < 0.7 and drafter.propose([r, other], 100) == [[], [8, 9, 5, 6]]
+    assert r.spec_skip == 16
+    penalised = Req("c", [5, 6, 7, 5, 6], SamplingParams(max_new_tokens=64, presence_penalty=0.5), seed=0)
+    penalised.max_new_tokens = 64
+    assert drafter.propose([penalised], 100) == [[]]  # its later positions would need the draft's own counts
