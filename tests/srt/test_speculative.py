@@ -302,3 +302,37 @@ def test_draft_length_and_back_off_follow_what_held():
     penalised = Req("c", [5, 6, 7, 5, 6], SamplingParams(max_new_tokens=64, presence_penalty=0.5), seed=0)
     penalised.max_new_tokens = 64
     assert drafter.propose([penalised], 100) == [[]]  # its later positions would need the draft's own counts
+
+
+def test_server_streams_whole_answers_with_drafts_under_overlap():
+    """`radixlm serve --speculative-algorithm ngram --force-overlap-schedule` through the openai client: n = 2
+    streamed choices with logprobs end whole, as the same request answered at once; /metrics counts drafts."""
+    import httpx
+    import openai
+
+    from tests.helpers import ServerProcess
+
+    srv = ServerProcess(
+        "--speculative-algorithm", "ngram", "--force-overlap-schedule", "--quantization", "none",
+        "--speculative-max-batch-size", "8", "--max-total-tokens", "4096",
+    )  # fmt: skip
+    try:
+        model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": f"Copy this exactly: {PASSAGE}"}]
+        kw = dict(model=model, messages=msgs, max_tokens=40, temperature=0, n=2, logprobs=True, top_logprobs=2)
+        whole = c.chat.completions.create(**kw)
+        texts, ends, lps = ["", ""], [[], []], [0, 0]
+        for chunk in c.chat.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                texts[ch.index] += ch.delta.content or ""
+                ends[ch.index] += [ch.finish_reason] if ch.finish_reason else []
+                lps[ch.index] += len(ch.logprobs.content) if ch.logprobs and ch.logprobs.content else 0
+        assert texts == [ch.message.content for ch in whole.choices]
+        assert ends == [[ch.finish_reason] for ch in whole.choices]
+        assert lps == [len(ch.logprobs.content) for ch in whole.choices]
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+        accepted = [line for line in metrics.splitlines() if line.startswith("radixlm_spec_accepted_tokens{")]
+        assert accepted and float(accepted[0].split()[-1]) > 0
+    finally:
+        assert srv.stop() == 0
