@@ -87,10 +87,7 @@ class StepSender:
         self.journal: list = []
         self.futures: list[torch.Tensor] = []  # sampled ids stored since the last announcement
         runner.req_to_token_pool.journal = self.journal
-        self._run_forward = runner.run_forward
-        runner.run_forward = self.run_forward
-        self._store_futures = runner.store_futures
-        runner.store_futures = self.store_futures
+        runner.step_hook = self
 
     def _send(self, kind: int, spec=None) -> list[torch.Tensor]:
         """Announce a record; returns the futures it carries, for the caller to broadcast next."""
@@ -102,21 +99,20 @@ class StepSender:
         self.channel.send(record)
         return futures
 
-    def run_forward(self, spec):
+    def before_forward(self, spec) -> None:
+        """The runner's hook: announce the step to the workers before rank 0 runs it."""
         import torch.distributed as dist
 
         for ids in self._send(FORWARD, spec):  # the workers join these broadcasts before the forward
             dist.broadcast(ids, src=0, group=self.tp.group)
         if self.runner.server_args.tp_check_batches:
             check_batch(self.runner, spec, self.control)
-        return self._run_forward(spec)
 
-    def store_futures(self, ids: torch.Tensor) -> int:
-        """Overlap scheduling: the sampled ids a later step reads on the device. Rank 0 keeps them at once; the
-        workers get them by a broadcast right after the next announcement, which tells them to expect it (so
-        nothing on rank 0's device waits for a worker that has not been told)."""
+    def on_futures(self, ids: torch.Tensor) -> None:
+        """The runner's hook for the overlap scheduler's sampled ids, which a later step reads on the device.
+        Rank 0 keeps them at once; the workers get them by a broadcast right after the next announcement, which
+        tells them to expect it (so nothing on rank 0's device waits for a worker that has not been told)."""
         self.futures.append(ids.contiguous())
-        return self._store_futures(ids)
 
     def stop(self) -> None:
         self.stopped = True

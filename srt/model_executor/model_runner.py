@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -44,6 +44,15 @@ def _mem_available_bytes() -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+class StepHook(Protocol):
+    """Told of every step this runner runs for the scheduler (tensor parallelism: rank 0 announces the step to
+    the other ranks, which run the same forward; see distributed/ranks.py StepSender)."""
+
+    def before_forward(self, spec: BatchSpec) -> None: ...
+
+    def on_futures(self, ids: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -114,6 +123,7 @@ class ModelRunner:
         # Sampled ids that later steps read before the host has seen them (overlap scheduling).
         self.future_map = torch.zeros(4 * self.max_running_requests + 64, dtype=torch.int64, device=self.device)
         self._future_next = 0
+        self.step_hook: StepHook | None = None
         if self.device.type == "cpu":
             logger.info("CPU forward: %s", configure_cpu_forward(args.tp_size // args.nnodes))  # ranks on this host
         if self.cpu_path:
@@ -216,6 +226,8 @@ class ModelRunner:
     def run_forward(self, spec: BatchSpec) -> torch.Tensor:
         """Launch a batch's forward: a graph replay where one fits, else eager. Float32 logits of its logits rows
         (decode: every row)."""
+        if self.step_hook is not None:
+            self.step_hook.before_forward(spec)
         logits = self.graphs.run(spec) if self.graphs is not None else None
         return logits if logits is not None else self.forward(self.build(spec))
 
@@ -243,6 +255,8 @@ class ModelRunner:
 
     def store_futures(self, ids: torch.Tensor) -> int:
         """Keep sampled ids on the device for the next step's inputs; returns the index of the first."""
+        if self.step_hook is not None:
+            self.step_hook.on_futures(ids)
         n = ids.shape[0]
         if self._future_next + n > self.future_map.shape[0]:
             self._future_next = 0

@@ -65,21 +65,50 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
     return result, out
 
 
+_EXAMPLES = (
+    "quick_start",
+    "json_extraction",
+    "classification",
+    "multi_turn_chat",
+    "react_agent",
+    "tree_of_thought",
+    "rag_run_batch",
+    "rag_openai_client",
+)
+_CONCURRENT = 3  # examples run at once: each is mostly start-up (imports, a model load, a server's processes)
+
+
+@pytest.fixture(scope="module")
+def examples():
+    """Every example started at once (at most _CONCURRENT running), as independent processes: a test waits for
+    its own and checks it. Their start-ups overlap; nothing else is shared between them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(_CONCURRENT) as pool:
+        runs = {name: pool.submit(run_example, name) for name in _EXAMPLES}
+        yield lambda name: runs[name].result()
+
+
+def test_every_example_is_run():
+    runnable = {p.stem for p in (ROOT / "examples").glob("*.py") if "__main__" in p.read_text()}
+    assert set(_EXAMPLES) == runnable
+
+
 def _argmax(scores) -> int:
     return max(range(len(scores)), key=lambda i: scores[i])
 
 
-def test_quick_start():
-    result, out = run_example("quick_start")
+def test_quick_start(examples):
+    result, out = examples("quick_start")
     assert "paris" in result["answer"].lower()
     assert 0 < result["completion_tokens"] <= 32
     assert "<|im_start|>assistant\n" + result["answer"] in out  # the program text went through the chat template
 
 
-def test_json_extraction():
+def test_json_extraction(examples):
     import jsonschema
 
-    result, out = run_example("json_extraction")
+    result, out = examples("json_extraction")
     texts, invoice_text = result["texts"], result["invoice_text"]
     assert len(result["people_raw"]) == len(texts) == 2
     for raw, parsed, text in zip(result["people_raw"], result["people"], texts):
@@ -98,8 +127,8 @@ def test_json_extraction():
     assert f"{inv['total']:.2f}" in invoice_text
 
 
-def test_classification():
-    result, out = run_example("classification")
+def test_classification(examples):
+    result, out = examples("classification")
     rows, labels = result["rows"], result["labels"]
     assert len(rows) == 6
     for row in rows:
@@ -112,8 +141,8 @@ def test_classification():
     assert result["correct"] == sum(row["label"] == row["expected"] for row in rows) >= 3
 
 
-def test_multi_turn_chat():
-    result, out = run_example("multi_turn_chat")
+def test_multi_turn_chat(examples):
+    result, out = examples("multi_turn_chat")
     turns = result["turns"]
     assert len(turns) == 3
     assert result["roles"] == ["system"] + ["user", "assistant"] * 3
@@ -137,8 +166,8 @@ def _calc(expression: str) -> float:
     return ev(ast.parse(expression, mode="eval").body)
 
 
-def test_react_agent():
-    result, out = run_example("react_agent")
+def test_react_agent(examples):
+    result, out = examples("react_agent")
     steps = result["steps"]
     assert 1 <= len(steps) <= 4
     tool_steps = [s for s in steps if s["action"] in result["tools"]]
@@ -160,8 +189,8 @@ def test_react_agent():
         assert result["answer"] is None and len(steps) == 4
 
 
-def test_tree_of_thought():
-    result, out = run_example("tree_of_thought")
+def test_tree_of_thought(examples):
+    result, out = examples("tree_of_thought")
     tree = result["tree"]
     assert len(tree) == 3 and all(len(node["steps"]) == 2 for node in tree)
     for node in tree:
@@ -177,8 +206,8 @@ def test_tree_of_thought():
     assert str(_argmax(result["best_scores"]) + 1) == result["best"]
 
 
-def test_rag_run_batch():
-    result, out = run_example("rag_run_batch")
+def test_rag_run_batch(examples):
+    result, out = examples("rag_run_batch")
     rows = result["rows"]
     assert len(rows) == 8
     assert all(row["answer"].strip() for row in rows)
@@ -192,8 +221,8 @@ def test_rag_run_batch():
         assert f"cached_tokens={row['cached_tokens']}" in out
 
 
-def test_rag_openai_client():
-    result, out = run_example("rag_openai_client")
+def test_rag_openai_client(examples):
+    result, out = examples("rag_openai_client")
     rows = result["rows"]
     assert len(rows) == 5 and result["model"]
     assert all(row["answer"].strip() for row in rows)

@@ -49,18 +49,37 @@ def plain():
     e.shutdown()
 
 
-@pytest.fixture(scope="module", params=["plain", "overlap"])
-def spec(request):
-    overlap = request.param == "overlap"
-    e = _engine(
-        speculative_algorithm="ngram",
-        speculative_max_batch_size=8,  # the batches below draft (a CPU's default drafts at batch 1 only)
-        force_overlap_schedule=overlap,
-        disable_overlap_schedule=not overlap,
-    )
-    assert e.scheduler.overlap == overlap and e.scheduler.drafter is not None
-    yield e
-    e.shutdown()
+@pytest.fixture(scope="module")
+def engines():
+    """The speculative engines, one per scheduler, made on first use and shared by the module's tests."""
+    made = {}
+
+    def get(mode: str) -> radixlm.Engine:
+        if mode not in made:
+            overlap = mode == "overlap"
+            made[mode] = e = _engine(
+                speculative_algorithm="ngram",
+                speculative_max_batch_size=8,  # the batches below draft (a CPU's default drafts at batch 1 only)
+                force_overlap_schedule=overlap,
+                disable_overlap_schedule=not overlap,
+            )
+            assert e.scheduler.overlap == overlap and e.scheduler.drafter is not None
+        return made[mode]
+
+    yield get
+    for e in made.values():
+        e.shutdown()
+
+
+@pytest.fixture(params=["plain", "overlap"])
+def spec(request, engines):
+    return engines(request.param)
+
+
+@pytest.fixture
+def spec_overlap(engines):
+    """The CUDA default's scheduler, for the tests that need not run in both."""
+    return engines("overlap")
 
 
 def _texts(engine, prompts, params, **kw) -> list[dict]:
@@ -143,11 +162,11 @@ def test_greedy_answers_are_plain_decodings(ref, spec):
     assert_engine_idle(spec)
 
 
-def test_sampled_answers_are_plain_decodings_seed_for_seed(ref, spec):
+def test_sampled_answers_are_plain_decodings_seed_for_seed(ref, spec_overlap):
     prompts = [COPY_HEAVY[0], COPY_HEAVY[2]] * 4
     params = [{"max_new_tokens": 24, "temperature": 1.0, "top_p": 0.95, "seed": s} for s in range(8)]
     ref = ref(prompts, params)
-    got = _texts(spec, prompts, params)
+    got = _texts(spec_overlap, prompts, params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     assert _spec_meta(got)[1] > 0
 
@@ -159,12 +178,12 @@ def _chi2_critical(df: int, alpha_z: float = 3.09) -> float:
     return df * (1 - h + alpha_z * math.sqrt(h)) ** 3
 
 
-def test_sampled_tokens_follow_plain_decodings_distribution(plain):
+def test_sampled_tokens_follow_plain_decodings_distribution(plain, engines):
     """Different seeds in the two runs: the tokens at a position where drafts are verified are drawn from the
     same distribution (a chi-square test at p = 0.001; every run is seeded, so it is deterministic). A verifier
     that favoured its drafts would put far more mass on the copied token."""
     prompt, position, n = COPY_HEAVY[2], 4, 64
-    spec = _engine(speculative_algorithm="ngram", speculative_max_batch_size=8, disable_overlap_schedule=True)
+    spec = engines("plain")
     counts = []
     for engine, base in ((plain, 1000), (spec, 5000)):
         toks = []
@@ -174,14 +193,13 @@ def test_sampled_tokens_follow_plain_decodings_distribution(plain):
         counts.append(Counter(toks))
     common = [t for t in set(counts[0]) | set(counts[1]) if counts[0][t] + counts[1][t] >= 10]
     cells = [[c[t] for t in common] + [n - sum(c[t] for t in common)] for c in counts]
-    spec.shutdown()
     cells = [[a, b] for a, b in zip(*cells) if a + b > 0]
     stat = sum((a - b) ** 2 / (a + b) for a, b in cells)  # two samples of equal size
     assert len(cells) >= 2
     assert stat < _chi2_critical(len(cells) - 1), (stat, cells)
 
 
-def test_stops_lengths_and_logprobs_as_plain_decoding(ref, spec):
+def test_stops_lengths_and_logprobs_as_plain_decoding(ref, spec_overlap):
     prompts = [COPY_HEAVY[0], COPY_HEAVY[2], COPY_HEAVY[3]]
     cases = [
         {"max_new_tokens": 24, "temperature": 0, "stop": ["Brazil", "bananas"]},  # stop strings inside drafts
@@ -190,12 +208,12 @@ def test_stops_lengths_and_logprobs_as_plain_decoding(ref, spec):
         {"max_new_tokens": 12, "temperature": 0, "min_new_tokens": 10},
     ]
     for params in cases:
-        got = _texts(spec, prompts, params)
+        got = _texts(spec_overlap, prompts, params)
         for a, b in zip(got, ref(prompts, params)):
             assert (a["text"], a["output_ids"]) == (b["text"], b["output_ids"]), params
             assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"], params
     params = {"max_new_tokens": 16, "temperature": 0}
-    got = _texts(spec, prompts, params, return_logprob=True, top_logprobs_num=3)
+    got = _texts(spec_overlap, prompts, params, return_logprob=True, top_logprobs_num=3)
     assert _spec_meta(got)[1] > 0
     for a, b in zip(got, ref(prompts, params, return_logprob=True, top_logprobs_num=3)):
         la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
@@ -213,26 +231,26 @@ SCHEMA = {
 }
 
 
-def test_drafts_that_leave_the_grammar_at_once_end_in_valid_json(ref, spec):
+def test_drafts_that_leave_the_grammar_at_once_end_in_valid_json(ref, spec_overlap):
     """The shape that hung EAGLE with structured output: every draft of a constrained request starts with a
     token its grammar refuses. Here the radix tree holds a free-text answer to the same prompt, so the tree's
     continuation (prose) is the draft; it is cut before the first token and the answer is valid JSON, as plain
     decoding gives it. Asked again, the drafts are the cached JSON answer: every verified position is masked."""
     prompt = "Describe Ada Lovelace as a JSON object with her name and the year she was born."
-    spec.flush_cache()
-    ids = spec.tokenizer.encode(prompt)
-    free = spec.generate(input_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 0})
-    draft = spec.scheduler.tree_cache.continuation(ids, 4)
+    spec_overlap.flush_cache()
+    ids = spec_overlap.tokenizer.encode(prompt)
+    free = spec_overlap.generate(input_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 0})
+    draft = spec_overlap.scheduler.tree_cache.continuation(ids, 4)
     assert draft == free["output_ids"][:4]
-    assert not spec.tokenizer.decode(draft[:1]).strip().startswith(("{", "[")), draft
+    assert not spec_overlap.tokenizer.decode(draft[:1]).strip().startswith(("{", "[")), draft
     params = {"max_new_tokens": 64, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
     want = ref(None, params, input_ids=ids)[0]
     for _ in range(2):
-        got = spec.generate(input_ids=ids, sampling_params=params)
+        got = spec_overlap.generate(input_ids=ids, sampling_params=params)
         assert got["output_ids"] == want["output_ids"]
         jsonschema.validate(json.loads(got["text"]), SCHEMA)
     assert got["meta_info"]["spec_accepted_tokens"] >= 5  # the second answer was drafted from the first
-    assert_engine_idle(spec)
+    assert_engine_idle(spec_overlap)
 
 
 def test_abort_mid_draft_leaks_nothing(spec):
