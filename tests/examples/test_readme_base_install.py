@@ -431,16 +431,34 @@ def test_readme_snippets_parse():
         ast.parse(code, filename=f"README.md:{line}")
 
 
+@pytest.fixture(scope="module")
+def snippet_runs(request, tmp_path_factory):
+    """Every README snippet started at once (at most three running), each as a reader runs it: a script of its
+    own, outside the checkout, with only the base install; a test waits for its own. Their start-ups overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    programs = [runnable(i) for i in range(len(SNIPPETS))]
+    url = request.getfixturevalue("server").url if any(needs for _, needs in programs) else None
+
+    def one(index: int):
+        program, needs_server = programs[index]
+        if needs_server:
+            program = README_URL.sub(url, program)
+        # a snippet that uses the openai client: its reader installs `openai`; nothing else is allowed
+        allow = OPENAI_CLIENT if _imports_openai(program) else set()
+        tmp = tmp_path_factory.mktemp(f"snippet{index}")
+        script = tmp / "snippet.py"
+        script.write_text(program)
+        return program, run_base([str(script)], tmp, allow=allow)
+
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(one, i) for i in range(len(SNIPPETS))]
+        yield lambda index: runs[index].result()
+
+
 @pytest.mark.parametrize("index", range(len(SNIPPETS)), ids=[f"README.md:{line}" for line, _ in SNIPPETS])
-def test_readme_snippet_runs_on_base_install(index, tmp_path, request):
-    program, needs_server = runnable(index)
-    if needs_server:
-        program = README_URL.sub(request.getfixturevalue("server").url, program)
-    # a snippet that uses the openai client: its reader installs `openai`; nothing else is allowed
-    allow = OPENAI_CLIENT if _imports_openai(program) else set()
-    script = tmp_path / "snippet.py"  # run as a reader runs it: a script of its own, outside the checkout
-    script.write_text(program)
-    out = run_base([str(script)], tmp_path, allow=allow)
+def test_readme_snippet_runs_on_base_install(index, snippet_runs):
+    program, out = snippet_runs(index)
     check_output(program, out)
 
 
