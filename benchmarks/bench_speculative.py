@@ -13,6 +13,13 @@ Workloads (the embedded model, real weights, real acceptance):
         --out benchmarks/results/cpu-2core-avx2/speculative/spec.json --plot .../spec.png
     python benchmarks/bench_speculative.py ... speculative_max_batch_size=1024   # drafting at every size
 
+  forced (with --forced-acceptance P) a synthetic copy task for any model, dummy weights included: the drafts
+         are the plain run's own answer, each token right with probability P (a wrong one ends the draft's
+         accepted part), EOS ignored; it measures what a verify step costs at a known acceptance.
+
+    python benchmarks/bench_speculative.py --model-path benchmarks/configs/llama-3.1-8b --workloads forced \
+        --forced-acceptance 0.7 --batch-sizes 1 8 32 128 load_format=dummy tokenizer_path=TOK
+
 Extra `key=value` arguments go to both Engines (e.g. quantization=none).
 """
 
@@ -25,6 +32,11 @@ import time
 from pathlib import Path
 
 import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
+
+# isort: split
+import random
+
+from radixlm.srt.speculative.drafter import Drafter
 
 PASSAGES = [
     "The Amazon River flows through Peru, Colombia and Brazil. It carries more water than any other river, and "
@@ -67,9 +79,27 @@ def prompts(engine, workload: str, n: int) -> list[list[int]]:
     return out
 
 
-def run(engine, ids: list[list[int]], output_len: int) -> dict:
+class ForcedDrafter(Drafter):
+    """The `forced` workload's drafts (benchmark only): the plain run's answer to the same prompt, each token
+    right with probability p, so the acceptance is known whatever the model says."""
+
+    def __init__(self, base: Drafter, answers: dict[tuple[int, ...], list[int]], p: float, vocab: int):
+        super().__init__(base.cfg, base.tree_cache, base.context_length)
+        self.answers, self.p, self.vocab = answers, p, vocab
+        self.rng = random.Random(0)
+
+    def _draft(self, r, room: int, floor: float) -> list[int]:
+        answer = self.answers.get(tuple(r.input_ids))
+        if answer is None:
+            return []
+        pos = len(r.output_ids)
+        k = min(self.cfg.num_draft_tokens, r.max_new_tokens - pos - 1, room)
+        return [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in answer[pos : pos + max(k, 0)]]
+
+
+def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False) -> dict:
     engine.flush_cache()
-    params = {"temperature": 0, "max_new_tokens": output_len}
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=ids, sampling_params=params)
     wall = time.perf_counter() - t0
@@ -101,7 +131,8 @@ def _number(v: str):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--workloads", nargs="+", default=["copy", "free"], choices=("copy", "free"))
+    ap.add_argument("--workloads", nargs="+", default=["copy", "free"], choices=("copy", "free", "forced"))
+    ap.add_argument("--forced-acceptance", type=float, default=0.7, help="the forced workload's per-token p")
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--output-len", type=int, default=160)
     ap.add_argument("--draft-tokens", type=int, default=4)
@@ -127,11 +158,19 @@ def main():
             e.generate(input_ids=prompts(e, "copy", 2), sampling_params={"max_new_tokens": 16, "temperature": 0})
         for workload in args.workloads:
             for bs in args.batch_sizes:
-                ids = prompts(engines["plain"], workload, bs)
+                forced = workload == "forced"
+                ids = prompts(engines["plain"], "free" if forced else workload, bs)
+                if forced:  # the drafts are the plain answers, spoiled token by token
+                    plain = run(engines["plain"], ids, args.output_len, ignore_eos=True)["outputs"]
+                    sch = engines["ngram"].scheduler
+                    answers = {tuple(p): o for p, o in zip(ids, plain)}
+                    sch.drafter = sch.outputs.drafter = ForcedDrafter(
+                        sch.drafter, answers, args.forced_acceptance, engines["ngram"].runner.vocab_size
+                    )
                 res = {}
                 for _ in range(args.repeats):  # in turn, so that a slow spell of the host hits both alike
                     for name, e in engines.items():
-                        r = run(e, ids, args.output_len)
+                        r = run(e, ids, args.output_len, ignore_eos=forced)
                         if name not in res or r["wall_s"] < res[name]["wall_s"]:
                             res[name] = r
                 same = res["plain"]["outputs"] == res["ngram"]["outputs"]
