@@ -152,7 +152,7 @@ class Scheduler:
         return outputs
 
     def _step_plain(self) -> list[TokenOutput]:
-        batch = self._launch_forward(self._schedule())
+        batch = self._launch_forward(self._schedule(verify=True))
         if batch is None or not self._launch_sample(batch):
             return []
         return self._apply(self.outputs.process(batch))
@@ -239,7 +239,9 @@ class Scheduler:
         self.kv.check_invariants(self.running + ([self.chunked] if self.chunked else []))
 
     # --- schedule ------------------------------------------------------------------------------------------
-    def _schedule(self) -> ScheduledBatch | None:
+    def _schedule(self, verify: bool = False) -> ScheduledBatch | None:
+        """The next batch. `verify`: a speculative verify step may be scheduled (only where it is processed
+        before the next schedule, with every earlier token on the host: the plain loop)."""
         batch = self._schedule_extend()
         if batch is not None:
             return batch
@@ -250,7 +252,7 @@ class Scheduler:
             self.stats.retractions += 1
             # Admission was too optimistic: assume requests need all they asked for, then relax again.
             self.new_token_ratio = 1.0
-        batch = self._schedule_verify() if self._speculating() else None
+        batch = self._schedule_verify() if verify and self._speculating() else None
         if batch is None:
             batch = schedule_decode(self.running, self.kv, self.req_pool, self.context_length)
         if batch is None:
@@ -264,6 +266,8 @@ class Scheduler:
     def _schedule_verify(self) -> ScheduledBatch | None:
         """A decode step with drafts (see speculative/drafter.py), or None when no request drafts."""
         reqs = [r for r in self.running if r.decodable(self.context_length)]
+        if self.inflight is not None or any(r.pending_ref is not None for r in reqs):
+            return None  # drafts and masks need every token so far; a step in flight has some of them
         drafts = self.drafter.propose(reqs, self.kv.room() - len(reqs))
         if not any(drafts):
             return None
