@@ -21,17 +21,8 @@ import radixlm  # first: it sets OpenMP's passive wait before torch loads the ru
 
 # isort: split
 import torch
-from workloads import offline_report
+from workloads import engine_kwargs, offline_report
 from workloads import offline_workload as workload
-
-
-def _number(v: str):
-    for kind in (int, float):
-        try:
-            return kind(v)
-        except ValueError:
-            pass
-    return v
 
 
 def main():
@@ -47,10 +38,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value (e.g. attention_backend=triton)")
     args = ap.parse_args()
-    extra = {}
-    for kv in args.engine_args:
-        k, v = kv.split("=", 1)
-        extra[k] = {"true": True, "false": False}.get(v.lower(), _number(v))
+    extra = engine_kwargs(args.engine_args)
     engine = radixlm.Engine(
         args.model_path, tokenizer_path=args.tokenizer_path, load_format=args.load_format, log_level="warning", **extra
     )

@@ -36,6 +36,8 @@ import radixlm  # first: it sets OpenMP's passive wait before torch loads the ru
 # isort: split
 import random
 
+from workloads import engine_kwargs
+
 from radixlm.srt.speculative.drafter import Drafter
 
 PASSAGES = [
@@ -119,15 +121,6 @@ def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False)
     }
 
 
-def _number(v: str):
-    for kind in (int, float):
-        try:
-            return kind(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(v.lower(), v)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", default=None)
@@ -141,7 +134,7 @@ def main():
     ap.add_argument("--plot", default=None)
     ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
     args = ap.parse_args()
-    extra = {k: _number(v) for k, v in (kv.split("=", 1) for kv in args.engine_args)}
+    extra = engine_kwargs(args.engine_args)
     common = dict(log_level="warning", **extra)
     rows = []
     engines = {

@@ -49,3 +49,21 @@ def offline_report(
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result
+
+
+def engine_kwargs(pairs: list[str]) -> dict:
+    """Extra Engine keywords from `key=value` command-line words: numbers as int or float, true/false as bools."""
+    out = {}
+    for kv in pairs:
+        k, v = kv.split("=", 1)
+        out[k] = {"true": True, "false": False}.get(v.lower(), _number(v))
+    return out
+
+
+def _number(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
