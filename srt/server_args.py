@@ -184,6 +184,8 @@ class ServerArgs:
             "max_queued_requests",
             "cuda_graph_max_bs",
             "extend_cuda_graph_max_tokens",
+            "speculative_num_draft_tokens",
+            "speculative_max_batch_size",
         ):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -226,17 +228,11 @@ class ServerArgs:
                     f"scheduler_cpus {self.scheduler_cpus!r} names CPUs this process may not use "
                     f"(allowed: {sorted(os.sched_getaffinity(0))})"
                 )
-        if self.speculative_num_draft_tokens < 1:
-            raise ValueError(
-                f"speculative_num_draft_tokens must be at least 1, got {self.speculative_num_draft_tokens}"
-            )
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             raise ValueError(
                 "speculative n-gram sizes must satisfy 1 <= min <= max, got "
                 f"{self.speculative_ngram_min}..{self.speculative_ngram_max}"
             )
-        if self.speculative_max_batch_size is not None and self.speculative_max_batch_size < 1:
-            raise ValueError(f"speculative_max_batch_size must be positive, got {self.speculative_max_batch_size}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

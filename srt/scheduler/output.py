@@ -103,12 +103,11 @@ class OutputProcessor:
             if not batch.is_current(i):
                 continue
             start_kv = r.kv_len - 1 - len(draft)  # the position of the request's last token before this step
-            new_ids, taken, accepted, jumped = [], 0, 0, False
+            new_ids, accepted, jumped = [], 0, False  # tokens taken: the accepted drafts and one more
             for j in range(1 + len(draft)):
                 last = j == len(draft) or sampled.next_ids[first + j] != draft[j]
                 ids, jumped = self._append_token(r, sampled, first + j, None, None, jump=last)
                 new_ids += ids
-                taken += 1
                 if r.finished or last:
                     break
                 accepted += 1
@@ -116,7 +115,7 @@ class OutputProcessor:
             self.stats.spec_accepted_tokens += accepted
             # The last token and the accepted drafts have KV now; the token taken last is computed next step.
             self.kv.truncate(r, start_kv + 1 + accepted)
-            out.outputs.append(self.output(r, new_ids, sampled, first + taken - 1, taken))
+            out.outputs.append(self.output(r, new_ids, sampled, first + accepted, accepted + 1))
             if r.finished:
                 out.finished.append(r)
             elif jumped:

@@ -50,8 +50,8 @@ class Req:
     pending_ref: int | None = None
     epoch: int = 0
 
-    # Speculative decoding: the n-gram index over fill_ids, and the back-off after drafts that were all rejected
-    # (the request drafts again after `spec_skip` plain steps).
+    # Speculative decoding (speculative/drafter.py): the n-gram index over fill_ids, the back-off after drafts
+    # that were mostly rejected (the request drafts again after `spec_skip` plain steps), its counters.
     spec_index: NgramIndex | None = None
     spec_misses: int = 0
     spec_skip: int = 0
