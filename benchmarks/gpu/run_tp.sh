@@ -8,6 +8,8 @@
 #   serve70   radixlm serve on the 70B shape in fp8 at each tp > 1: 64 users, 512 in / 256 out then
 #             1,000 in / 1,000 out, random words (about a token each with the full-vocabulary tokenizer)
 #   prefix    the 8B shape, bf16, shared prefixes (8 groups x 1,500 words, c = 64), tp 1 then tp 2
+#   vllm70    vLLM (PEER_SITE, default /tmp/vllm-site: benchmarks/peers/install_wheelhouse.sh) on the serve70
+#             runs at each tp > 1: `--tensor-parallel-size TP --quantization fp8 --load-format dummy`, same client
 # Usage (device tool): bash benchmarks/gpu/run_tp.sh DEST [stages...]; BUDGET (s, default 1380) bounds the run.
 set -u
 DEST=$1; shift
@@ -40,16 +42,24 @@ decode() {  # decode QUANT NAME TP (HEAD=--fp8-lm-head)
     --out "$DEST/${name}_tp$tp.json" 2>&1 | grep -v -i warn | grep -v "skinny matmul:" | tail -6
 }
 
-serve() {  # serve CONFIG QUANT TP NAME WORKLOADS... (each workload IN:OUT:PROMPTS)
+serve() {  # serve CONFIG QUANT TP NAME WORKLOADS... (each workload IN:OUT:PROMPTS); ENGINE=vllm: the peer
   local cfg=$1 q=$2 tp=$3 name=$4; shift 4
   [ -d /tmp/tok_full ] || python benchmarks/gpu/full_vocab_tokenizer.py "$TOK" /tmp/tok_full 128256 > /dev/null
   local port=$((30000 + tp)) url log="$DEST/server_${name}.log"
   url=http://127.0.0.1:$port
-  echo "== serve $name: $cfg $q tp $tp ($(left) s left)"
+  echo "== serve $name: ${ENGINE:-radixlm} $cfg $q tp $tp ($(left) s left)"
   local t0=$SECONDS
-  python -m radixlm.launch_server --model-path "$cfg" --load-format dummy --tokenizer-path /tmp/tok_full \
-    --served-model-name "$name" --port $port --tp-size "$tp" --quantization "$q" ${HEAD:-} \
-    --attention-backend triton --log-level info ${EXTRA:-} > "$log" 2>&1 &
+  if [ "${ENGINE:-radixlm}" = vllm ]; then  # its own site only (nothing of ours on its path), its own session
+    setsid env -u PYTHONPATH PYTHONPATH="${PEER_SITE:-/tmp/vllm-site}" VLLM_USE_FLASHINFER_SAMPLER=0 \
+      VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 python -m vllm.entrypoints.cli.main serve "$cfg" --load-format dummy \
+      --dtype bfloat16 --quantization "$q" --tensor-parallel-size "$tp" --tokenizer /tmp/tok_full \
+      --served-model-name "$name" --port $port --max-model-len 4096 --gpu-memory-utilization 0.9 \
+      --no-enable-flashinfer-autotune ${EXTRA:-} > "$log" 2>&1 &
+  else
+    python -m radixlm.launch_server --model-path "$cfg" --load-format dummy --tokenizer-path /tmp/tok_full \
+      --served-model-name "$name" --port $port --tp-size "$tp" --quantization "$q" ${HEAD:-} \
+      --attention-backend triton --log-level info ${EXTRA:-} > "$log" 2>&1 &
+  fi
   local server=$!
   local ok=0
   while [ "$(left)" -gt 5 ]; do
@@ -57,7 +67,7 @@ serve() {  # serve CONFIG QUANT TP NAME WORKLOADS... (each workload IN:OUT:PROMP
     kill -0 $server 2> /dev/null || break
     sleep 1
   done
-  if [ $ok = 0 ]; then echo "server $name did not come up:"; tail -25 "$log"; kill -9 $server 2> /dev/null; return 1; fi
+  if [ $ok = 0 ]; then echo "server $name did not come up:"; tail -25 "$log"; kill -9 -- -$server $server 2> /dev/null; return 1; fi
   echo "up in $((SECONDS - t0)) s"
   grep -E "KV cache:|captured|tuning took|loaded" "$log" | head -6
   python benchmarks/bench_serving.py --base-url "$url" --label warmup --num-prompts 16 --input-len 64 \
@@ -77,7 +87,11 @@ serve() {  # serve CONFIG QUANT TP NAME WORKLOADS... (each workload IN:OUT:PROMP
     curl -s "$url/metrics" | grep "^radixlm_cache_hit_rate"
   fi
   curl -s "$url/get_server_info" > "$DEST/server_info_${name}.json"
-  kill -INT $server; wait $server; echo "server exit code: $?"
+  kill -INT $server  # vLLM has been seen to hang on SIGINT: 30 s, then its whole session is killed
+  for _ in $(seq 30); do kill -0 $server 2> /dev/null || break; sleep 1; done
+  kill -0 $server 2> /dev/null && { echo "server $name did not stop in 30 s: killed"; kill -9 -- -$server $server 2> /dev/null; }
+  wait $server; echo "server exit code: $?"
+  sleep 3  # let the GPU memory go before the next server
 }
 
 report() {
@@ -105,6 +119,12 @@ if stage serve70; then
   for tp in $TPS; do
     [ "$tp" -gt 1 ] || continue
     HEAD=--fp8-lm-head serve benchmarks/configs/llama-3.1-70b fp8 "$tp" "llama70b_fp8_tp$tp" 512:256:128 1000:1000:128
+  done
+fi
+if stage vllm70; then
+  for tp in $TPS; do
+    [ "$tp" -gt 1 ] || continue
+    ENGINE=vllm serve benchmarks/configs/llama-3.1-70b fp8 "$tp" "vllm70b_fp8_tp$tp" 512:256:128 1000:1000:128
   done
 fi
 if stage decode8; then

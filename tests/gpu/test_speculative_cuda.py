@@ -1,6 +1,8 @@
-"""Speculative decoding (n-gram drafts) on CUDA: the embedded model in float32, greedy answers identical to plain
-decoding with CUDA graphs (decode and extend graphs: a verify step is an extend) and overlap on, with graphs
-off, and with a JSON schema; drafts are accepted. Run on a GPU machine: `python -m pytest -m gpu` (README)."""
+"""Speculative decoding (n-gram drafts) on CUDA: a small random Llama (GPU-kernel-sized heads) in float32, greedy
+answers identical to plain decoding with CUDA graphs (decode and extend graphs: a verify step is an extend) and
+overlap on, with graphs off, with overlap off, and with a JSON schema; drafts are accepted (a prompt answered
+before drafts from the radix tree's continuation). Random weights, not the embedded model: the GPU machine has
+no copy of the GGUF. Run on a GPU machine: `python -m pytest -m gpu` (README)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import radixlm
-from tests.helpers import assert_engine_idle
+from tests.helpers import assert_engine_idle, make_tiny_checkpoint, smollm_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -24,36 +26,46 @@ PROMPTS = [
     "Repeat after me three times: red apples, green pears, yellow bananas. red apples, green pears,",
     "Write a short story about a lighthouse keeper.",
 ]
-SCHEMA = {
+SCHEMA = {  # bounded, so that even random weights must close the object
     "type": "object",
-    "properties": {"river": {"type": "string", "maxLength": 16}, "countries": {"type": "integer"}},
-    "required": ["river", "countries"],
+    "properties": {"river": {"enum": ["Amazon", "Nile", "Congo"]}, "long": {"type": "boolean"}},
+    "required": ["river", "long"],
 }
-COMMON = dict(log_level="warning", dtype="float32", quantization="none", max_total_tokens=8192)
+MODEL = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=1024)
+COMMON = dict(log_level="warning", dtype="float32", max_total_tokens=8192)
 
 
 @pytest.fixture(scope="module")
-def plain():
-    e = radixlm.Engine(**COMMON)
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec_cuda") / "llama"
+    return str(make_tiny_checkpoint(d, "llama", tokenizer=smollm_tokenizer(), **MODEL))
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    e = radixlm.Engine(model_path=ckpt, **COMMON)
     yield e
     e.shutdown()
 
 
 @pytest.mark.parametrize("run", [{}, {"disable_cuda_graph": True}, {"disable_overlap_schedule": True}])
-def test_greedy_answers_are_plain_decodings_on_cuda(plain, run):
-    spec = radixlm.Engine(**COMMON, speculative_algorithm="ngram", **run)
+def test_greedy_answers_are_plain_decodings_on_cuda(ckpt, plain, run):
+    spec = radixlm.Engine(model_path=ckpt, **COMMON, speculative_algorithm="ngram", **run)
     try:
         params = {"max_new_tokens": 48, "temperature": 0}
         want = plain.generate(PROMPTS, params)
-        for batch in (PROMPTS[:1], PROMPTS):  # batch 1, then 3
+        accepted = 0
+        for batch in (PROMPTS[:1], PROMPTS):  # batch 1, then 3 (the first prompt's answer now in the tree)
             got = spec.generate(batch, params)
             assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want[: len(batch)]]
-        assert sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in got) > 0
+            accepted += sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in got)
+        assert accepted > 0
         constrained = {**params, "json_schema": json.dumps(SCHEMA)}
         a = spec.generate(PROMPTS[0], constrained)
         b = plain.generate(PROMPTS[0], constrained)
         assert a["output_ids"] == b["output_ids"]
-        jsonschema.validate(json.loads(a["text"]), SCHEMA)
+        if a["meta_info"]["finish_reason"]["type"] == "stop":  # an answer cut at the limit is not yet JSON
+            jsonschema.validate(json.loads(a["text"]), SCHEMA)
         assert_engine_idle(spec)
     finally:
         spec.shutdown()
