@@ -14,8 +14,10 @@ Workloads (the embedded model, real weights, real acceptance):
     python benchmarks/bench_speculative.py ... speculative_max_batch_size=1024   # drafting at every size
 
   forced (with --forced-acceptance P) a synthetic copy task for any model, dummy weights included: the drafts
-         are the plain run's own answer, each token right with probability P (a wrong one ends the draft's
-         accepted part), EOS ignored; it measures what a verify step costs at a known acceptance.
+         are a plain run's answer, each token right with probability P, and the verify step takes the draft's
+         tokens up to its first spoiled one as if the model had sampled them (random weights give near-flat
+         logits, whose argmax a decode and a verify step need not share); EOS ignored. It measures what a
+         verify step costs at a known acceptance, with the runtime's own draft-length policy.
 
     python benchmarks/bench_speculative.py --model-path benchmarks/configs/llama-3.1-8b --workloads forced \
         --forced-acceptance 0.7 --batch-sizes 1 8 32 128 load_format=dummy tokenizer_path=TOK
@@ -29,6 +31,7 @@ import argparse
 import json
 import platform
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
@@ -89,6 +92,7 @@ class ForcedDrafter(Drafter):
         super().__init__(base.cfg, base.tree_cache, base.context_length)
         self.answers, self.p, self.vocab = answers, p, vocab
         self.rng = random.Random(0)
+        self.right: dict[str, int] = {}  # rid -> leading draft tokens that are right (forced as sampled)
 
     def _draft(self, r, room: int, floor: float) -> list[int]:
         answer = self.answers.get(tuple(r.input_ids))
@@ -96,7 +100,27 @@ class ForcedDrafter(Drafter):
             return []
         pos = len(r.output_ids)
         k = min(self.cfg.num_draft_tokens, r.max_new_tokens - pos - 1, room)
-        return [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in answer[pos : pos + max(k, 0)]]
+        draft = answer[pos : pos + max(k, 0)]
+        right = next((i for i in range(len(draft)) if self.rng.random() >= self.p), len(draft))
+        self.right[r.rid] = right
+        return draft[:right] + [(t + 1) % self.vocab for t in draft[right : right + 1]] + draft[right + 1 :]
+
+
+def force_verify(outputs, drafter: ForcedDrafter) -> None:
+    """Make the verify step take each draft's right tokens as sampled (benchmark only; see `forced`)."""
+    verify = outputs.__dict__.setdefault("_plain_verify", outputs._process_verify)  # wrapped once per Engine
+
+    def forced(batch):
+        sampled, extra = batch.pending.wait()
+        row = 0
+        for r, draft in zip(batch.reqs, batch.drafts):
+            for j in range(min(drafter.right.get(r.rid, 0), len(draft))):
+                sampled.next_ids[row + j] = draft[j]
+            row += 1 + len(draft)
+        batch.pending = SimpleNamespace(wait=lambda: (sampled, extra))
+        return verify(batch)
+
+    outputs._process_verify = forced
 
 
 def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False) -> dict:
@@ -160,6 +184,7 @@ def main():
                     sch.drafter = sch.outputs.drafter = ForcedDrafter(
                         sch.drafter, answers, args.forced_acceptance, engines["ngram"].runner.vocab_size
                     )
+                    force_verify(sch.outputs, sch.drafter)
                 res = {}
                 for _ in range(args.repeats):  # in turn, so that a slow spell of the host hits both alike
                     for name, e in engines.items():

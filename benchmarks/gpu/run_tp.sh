@@ -131,6 +131,6 @@ if stage decode8; then
   for tp in $TPS; do HEAD=--fp8-lm-head decode fp8 decode8b_fp8_head "$tp"; done
 fi
 if stage prefix; then
-  for tp in 1 2; do PREFIX=1 serve benchmarks/configs/llama-3.1-8b none "$tp" "llama8b_bf16_tp$tp"; done
+  for tp in ${PREFIX_TPS:-1 2}; do PREFIX=1 serve benchmarks/configs/llama-3.1-8b none "$tp" "llama8b_bf16_tp$tp"; done
 fi
 echo "== done in $SECONDS s"
