@@ -31,8 +31,8 @@ import argparse
 import json
 import platform
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import radixlm  # first: it sets OpenMP's passive wait before torch loads the runtime
 
