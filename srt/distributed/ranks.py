@@ -177,7 +177,16 @@ def leave_groups(timeout_s: float) -> bool:
 
     def destroy() -> None:
         try:
-            dist.destroy_process_group()
+            if dist.get_backend() == "nccl":
+                # NCCL's graceful teardown has waited forever after collectives captured in CUDA graphs (pytorch
+                # #115388). Nothing is in flight here (the device was synchronized and the step loop ended), so
+                # each rank aborts its communicators locally; that also unregisters every group, so a new
+                # group (another Engine in this process) can start.
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            else:
+                dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - logged: a group left registered stops the next one in this process
             logger.warning("tensor-parallel teardown failed:\n%s", traceback.format_exc())
 
