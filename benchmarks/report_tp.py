@@ -31,16 +31,17 @@ def decode_rows(root: Path) -> list[dict]:
 
 def serving_rows(root: Path) -> list[dict]:
     rows = []
-    for f in sorted(root.glob("llama*_tp*_*.json")):
-        m = re.match(r"(llama\w+?)_tp(\d+)_(\w+)", f.stem)
-        if not m:
+    for f in sorted(root.glob("*_tp*_*.json")):  # llama...: radixlm; vllm...: vLLM beside it (run_tp.sh vllm70)
+        m = re.match(r"(llama|vllm)(\w+?)_tp(\d+)_(\w+)", f.stem)
+        if not m or f.stem.startswith("decode"):
             continue
         d = json.loads(f.read_text())
         rows.append(
             {
-                "model": m.group(1),
-                "tp": int(m.group(2)),
-                "workload": m.group(3),
+                "engine": "vLLM" if m.group(1) == "vllm" else "radixlm",
+                "model": "llama" + m.group(2),
+                "tp": int(m.group(3)),
+                "workload": m.group(4),
                 "total": d["input_throughput"] + d["output_throughput"],
                 "output": d["output_throughput"],
                 "ttft_p50": d["ttft_ms"]["p50"],
@@ -71,11 +72,13 @@ def main() -> None:
         )
     serve = serving_rows(root)
     print()
-    print("| model | tp | in/out | total tok/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | ok / failed |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for r in sorted(serve, key=lambda r: (r["model"], r["workload"], r["tp"])):
+    print(
+        "| engine | model | tp | in/out | total tok/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | ok / failed |"
+    )
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in sorted(serve, key=lambda r: (r["model"], r["workload"], r["tp"], r["engine"])):
         print(
-            f"| {r['model']} | {r['tp']} | {r['workload'].replace('_', '/')} | {r['total']:,.0f} | "
+            f"| {r['engine']} | {r['model']} | {r['tp']} | {r['workload'].replace('_', '/')} | {r['total']:,.0f} | "
             f"{r['output']:,.0f} | {r['ttft_p50']:,.0f} / {r['ttft_p99']:,.0f} | "
             f"{r['itl_p50']:.1f} / {r['itl_p99']:.1f} | {r['completed']} / {r['failed']} |"
         )
@@ -85,17 +88,22 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for model, workload in sorted({(r["model"], r["workload"]) for r in serve}):
-            pts = sorted((r["tp"], r["total"]) for r in serve if (r["model"], r["workload"]) == (model, workload))
-            ax.plot(*zip(*pts), marker="o", label=f"radixlm {model} {workload.replace('_', '/')} (total)")
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+        for engine, model, workload in sorted({(r["engine"], r["model"], r["workload"]) for r in serve}):
+            mine = [r for r in serve if (r["engine"], r["model"], r["workload"]) == (engine, model, workload)]
+            label = f"{engine} {model} {workload.replace('_', '/')}"
+            style = {"linestyle": ":" if engine == "vLLM" else "-", "marker": "s" if engine == "vLLM" else "o"}
+            ax.plot(*zip(*sorted((r["tp"], r["total"]) for r in mine)), label=label, **style)
+            ax2.plot(*zip(*sorted((r["tp"], r["output"]) for r in mine)), label=label, **style)
         for name, pts in PUBLISHED_TOTAL.items():
             ax.plot(list(pts), list(pts.values()), linestyle="--", marker="x", label=name)
-        ax.set_xlabel("tensor-parallel GPUs")
         ax.set_ylabel("tokens/s (input + output), 64 users")
-        ax.set_xticks([1, 2, 4])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax2.set_ylabel("output tokens/s, 64 users")
+        for a in (ax, ax2):
+            a.set_xlabel("tensor-parallel GPUs")
+            a.set_xticks([1, 2, 4])
+            a.grid(alpha=0.3)
+            a.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"plot: {args.plot}")
