@@ -8,8 +8,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from radixlm.srt.layers.attention import BACKENDS as ATTENTION_BACKENDS
-from radixlm.srt.layers.quantization import QUANTIZATION_METHODS
+from radixlm.srt.choices import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 
 
 def _opt(default, help: str, choices: tuple | None = None):

@@ -7,6 +7,7 @@ shut everything down and remove the private socket directory.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import multiprocessing as mp
@@ -137,6 +138,11 @@ def launch_server(args: ServerArgs) -> int:
         except (ValueError, KeyboardInterrupt) as e:
             logger.error("%s", e)
             return 1
+    # The HTTP side's tokenizer loads (importing torch through transformers) while the children start, off the
+    # path to the first answer.
+    loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+    tokenizer_future = loading.submit(AutoTokenizer.from_pretrained, resolved.tokenizer_path)
+    loading.shutdown(wait=False)
     procs = ServerProcesses(args)
     try:
         info = procs.start(resolved.model_path, resolved.tokenizer_path)
@@ -149,7 +155,7 @@ def launch_server(args: ServerArgs) -> int:
     from radixlm import __version__
 
     info["version"] = __version__
-    tokenizer = AutoTokenizer.from_pretrained(resolved.tokenizer_path)
+    tokenizer = tokenizer_future.result()
     tm = TokenizerManager(args, tokenizer, info, procs.endpoints, Metrics(resolved.served_model_name))
     exit_code = {"value": 0, "served": False}
     server: uvicorn.Server | None = None

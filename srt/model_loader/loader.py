@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm.kernels import cpu as cpu_kernels
+from radixlm.srt.choices import QUANTIZATION_METHODS
 from radixlm.srt.distributed.parallel import SINGLE, TensorParallel
 from radixlm.srt.errors import ModelLoadError
 from radixlm.srt.layers.basic import deferred_linear_weights
-from radixlm.srt.layers.quantization import QUANTIZATION_METHODS, fp8, fp8_load, load_gguf_quantized
+from radixlm.srt.layers.quantization import fp8, fp8_load, load_gguf_quantized
 from radixlm.srt.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
 from radixlm.srt.model_loader.hf_loader import HFCheckpoint, load_tokenizer

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixlm.srt.choices import ATTENTION_BACKENDS as BACKENDS
+
 if TYPE_CHECKING:
     from radixlm.srt.layers.attention.base import AttentionBackend
-
-BACKENDS = ("torch_native", "triton", "flashinfer")
 
 
 def _importable(module: str) -> bool:

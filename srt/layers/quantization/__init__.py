@@ -28,8 +28,6 @@ from radixlm.srt.layers.quantization.gguf_q8 import Q8Linear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "fp8")
-
 
 def load_gguf_quantized(model: nn.Module, ckpt, dtype: torch.dtype) -> None:
     """Fill `model` from a GGUFCheckpoint: Q4 linears packed into `Linear.quant` (their fp32 weight freed),
