@@ -273,3 +273,43 @@ def group_alive(pgid: int) -> list[str]:
         if fields[0] != "Z" and int(fields[2]) == pgid and "resource_tracker" not in cmd:  # state, ppid, pgrp
             alive.append(f"{entry}: {cmd}")
     return alive
+
+
+class RouterProcess:
+    """`radixlm router` as a real subprocess on a free port; waits until it answers."""
+
+    def __init__(self, *args: str, healthy: bool = True):
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "radixlm.cli", "router", "--port", str(self.port), "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "router exited during start-up"
+            try:
+                code = httpx.get(f"{self.url}/health", timeout=1).status_code
+                if code == 200 or (not healthy and code == 503):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("router did not start")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

@@ -260,6 +260,24 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             return error(503, "no worker is up", "server_error", "no_worker")
         return Response(status_code=200)
 
+    @app.get("/health_generate")
+    async def health_generate():
+        """A one-token generation on every worker that is up: 200 when each answers it, else 503 naming those
+        that did not."""
+        up = workers.healthy()
+
+        async def one(w) -> bool:
+            try:
+                return (await client.get(w.url + "/health_generate", timeout=60)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        ok = await asyncio.gather(*(one(w) for w in up))
+        failed = [w.url for w, good in zip(up, ok) if not good]
+        if not up or failed:
+            return error(503, f"generation failed on {failed or 'no worker'}", "server_error", "no_worker")
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")

@@ -17,8 +17,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,42 +24,10 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import ServerProcess, pid_alive
+from tests.helpers import RouterProcess, ServerProcess, pid_alive
 
 MODEL = "SmolLM2-135M-Instruct"
 WORDS = "apple river stone cloud green music table window garden paper light summer yellow mountain coffee".split()
-
-
-class RouterProcess:
-    """`radixlm router` as a real subprocess on a free port; waits until it answers."""
-
-    def __init__(self, *args: str, healthy: bool = True):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "radixlm.cli", "router", "--port", str(self.port), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "router exited during start-up"
-            try:
-                code = httpx.get(f"{self.url}/health", timeout=1).status_code
-                if code == 200 or (not healthy and code == 503):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("router did not start")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")

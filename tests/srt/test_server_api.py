@@ -1,4 +1,5 @@
-"""The launched server (real processes, ZMQ, HTTP) through the official openai client and raw HTTP."""
+"""The launched server (real processes, ZMQ, HTTP) through the official openai client and raw HTTP: the plain
+scheduler, the overlap one, and the overlap one behind `radixlm router`."""
 
 import concurrent.futures as cf
 import json
@@ -26,10 +27,25 @@ def overlap_server():
     assert s.stop() == 0
 
 
-@pytest.fixture(scope="module", params=["plain", "overlap"])
+@pytest.fixture(scope="module")
+def router_front(overlap_server):
+    """The overlap server behind `radixlm router` (its default policy, one worker), as a replicated deployment's
+    clients reach it: every answer passes through the router's streaming and error paths."""
+    from tests.helpers import RouterProcess
+
+    r = RouterProcess("--worker-urls", overlap_server.url)
+    r.worker = overlap_server  # where the tests read the scheduler's own state
+    yield r
+    r.stop()
+    assert r.proc.returncode == 0
+
+
+@pytest.fixture(scope="module", params=["plain", "overlap", "router"])
 def srv(request):
-    """Every test here runs against the plain scheduler (the CPU default) and the overlap one."""
-    yield request.getfixturevalue("server" if request.param == "plain" else "overlap_server")
+    """Every test here runs against the plain scheduler (the CPU default), the overlap one, and the overlap one
+    behind the router."""
+    names = {"plain": "server", "overlap": "overlap_server", "router": "router_front"}
+    yield request.getfixturevalue(names[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +54,8 @@ def client(srv):
 
 
 def _server_info(server):
-    return httpx.get(f"{server.url}/get_server_info", timeout=10).json()
+    """The server's own state (behind a router: its worker's)."""
+    return httpx.get(f"{getattr(server, 'worker', server).url}/get_server_info", timeout=10).json()
 
 
 def _wait_idle(server, timeout=15):
