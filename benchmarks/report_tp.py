@@ -72,9 +72,8 @@ def main() -> None:
         )
     serve = serving_rows(root)
     print()
-    print(
-        "| engine | model | tp | in/out | total tok/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | ok / failed |"
-    )
+    print("| engine | model | tp | in/out | total tok/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms", end="")
+    print(" | ok / failed |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     for r in sorted(serve, key=lambda r: (r["model"], r["workload"], r["tp"], r["engine"])):
         print(

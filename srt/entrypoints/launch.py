@@ -41,16 +41,14 @@ class ServerProcesses:
 
     def start(self, model_path: str, tokenizer_path: str) -> dict:
         from radixlm.srt.cpu_guard import guard_wanted
-        from radixlm.srt.managers.detokenizer_process import run_detokenizer_process
-        from radixlm.srt.scheduler.process import run_scheduler_process
 
         ctx = mp.get_context("spawn")
         pid = os.getpid()
         pipes = {}
         targets = {
-            "scheduler": (run_scheduler_process, (self.args, model_path, tokenizer_path, self.endpoints, pid)),
+            "scheduler": (_run_scheduler, (self.args, model_path, tokenizer_path, self.endpoints, pid)),
             "detokenizer": (
-                run_detokenizer_process,
+                _run_detokenizer,
                 (
                     self.args.log_level,
                     tokenizer_path,
@@ -114,16 +112,31 @@ class ServerProcesses:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+def _run_scheduler(*args) -> None:
+    """The scheduler child's entry: its modules (torch, the model) are imported in the child, not here."""
+    from radixlm.srt.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
+def _run_detokenizer(*args) -> None:
+    from radixlm.srt.managers.detokenizer_process import run_detokenizer_process
+
+    run_detokenizer_process(*args)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def launch_server(args: ServerArgs) -> int:
     """Run the server until SIGINT/SIGTERM (returns 0) or until a child process dies (returns 1)."""
     configure_logging(args.log_level)
-    import uvicorn
-    from transformers import AutoTokenizer
-
-    from radixlm.srt.entrypoints.http_server import create_app
-    from radixlm.srt.managers.tokenizer_manager import TokenizerManager
-    from radixlm.srt.metrics import Metrics
-    from radixlm.srt.model_loader.loader import resolve_model
+    # Nothing before the children start imports torch (the model resolves from its files alone, and the children
+    # import their own modules), so they start at once; this process loads torch with its tokenizer meanwhile.
+    from radixlm.srt.model_loader.resolve import resolve_model
 
     try:
         resolved = resolve_model(args.model_path, args.tokenizer_path, args.served_model_name, args.load_format)
@@ -141,7 +154,7 @@ def launch_server(args: ServerArgs) -> int:
     # The HTTP side's tokenizer loads (importing torch through transformers) while the children start, off the
     # path to the first answer.
     loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
-    tokenizer_future = loading.submit(AutoTokenizer.from_pretrained, resolved.tokenizer_path)
+    tokenizer_future = loading.submit(_load_tokenizer, resolved.tokenizer_path)
     loading.shutdown(wait=False)
     procs = ServerProcesses(args)
     try:
@@ -155,6 +168,12 @@ def launch_server(args: ServerArgs) -> int:
     from radixlm import __version__
 
     info["version"] = __version__
+    import uvicorn
+
+    from radixlm.srt.entrypoints.http_server import create_app
+    from radixlm.srt.managers.tokenizer_manager import TokenizerManager
+    from radixlm.srt.metrics import Metrics
+
     tokenizer = tokenizer_future.result()
     tm = TokenizerManager(args, tokenizer, info, procs.endpoints, Metrics(resolved.served_model_name))
     exit_code = {"value": 0, "served": False}

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixlm.srt.errors import ModelLoadError
-from radixlm.srt.layers.quantization.fp8 import channel_scales, fold_block_scales
+
+if TYPE_CHECKING:  # reading a config's format needs no torch; the tensors below import it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ def fp8_tensors(
 
 
 def _paired(name: str, q: torch.Tensor, where: dict, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    from radixlm.srt.layers.quantization.fp8 import fold_block_scales
+
     if not fmt.block:
         return q, _scales(name, q.shape[0], where)
     scale = _stored_scale(name, ".weight_scale_inv", where)
@@ -104,6 +107,8 @@ def _paired(name: str, q: torch.Tensor, where: dict, fmt: Fp8Format) -> tuple[to
 
 def _scales(name: str, rows: int, where: dict) -> torch.Tensor:
     """The per-channel scales of per-channel (or per-tensor) e4m3 weight `name` with `rows` output channels."""
+    from radixlm.srt.layers.quantization.fp8 import channel_scales
+
     scale = _stored_scale(name, ".weight_scale", where)
     try:
         return channel_scales(scale, rows, name[: -len(".weight")] + ".weight_scale")

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from radixlm.srt.errors import ModelLoadError
@@ -22,6 +21,8 @@ from radixlm.srt.model_loader.default_model import cache_dir
 from radixlm.srt.model_loader.model_config import ModelConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from radixlm.srt.layers.quantization.gguf_int4 import Q4Blocks
     from radixlm.srt.layers.quantization.gguf_q8 import Q8Rows
 
@@ -199,6 +200,8 @@ class GGUFCheckpoint:
         """Yield (HF name, tensor) pairs, dequantized and cast to `dtype`; HF names in `skip` are left out.
         `part(name)`: the (rows, columns) slices to keep (tensor parallelism), or None for the whole tensor; only
         that part is dequantized (its columns must start and end on quantization blocks)."""
+        import torch  # here: opening a checkpoint (resolving a model for the HTTP process) needs no torch
+
         for t in tqdm(
             self.tensors,
             desc="Loading GGUF weights",
@@ -282,13 +285,13 @@ class GGUFCheckpoint:
     def tokenizer_dir(self) -> Path:
         """transformers builds a tokenizer from GGUF metadata slowly (~10 s), so we convert once and keep the
         result as an ordinary tokenizer directory in the cache."""
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
         st = self.path.stat()
         key = hashlib.sha1(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
         target = cache_dir() / "tokenizers" / key
         if (target / "tokenizer_config.json").is_file():
             return target
+        from transformers import AutoTokenizer  # noqa: PLC0415 - only to convert (it imports torch)
+
         tok = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         tmp = target.with_name(f"{key}.tmp{os.getpid()}")
         tok.save_pretrained(tmp)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
 
 from radixlm.srt.errors import ModelLoadError
-from radixlm.srt.layers.quantization.fp8 import dequantize_rows
 from radixlm.srt.model_loader.fp8_checkpoint import fp8_format, fp8_tensors
 from radixlm.srt.model_loader.model_config import ModelConfig
+
+if TYPE_CHECKING:  # opening a checkpoint (its config) needs no torch; reading its tensors imports it
+    import torch
 
 
 class HFCheckpoint:
@@ -76,6 +78,8 @@ class HFCheckpoint:
 
     def weights(self, dtype: torch.dtype, part=None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor in `dtype` (FP8 weights dequantized with their scales); `part` as for tensors()."""
+        from radixlm.srt.layers.quantization.fp8 import dequantize_rows
+
         for name, t in self.tensors(part):
             yield name, (dequantize_rows(*t) if isinstance(t, tuple) else t).to(dtype)
 

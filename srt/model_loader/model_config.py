@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixlm.srt.errors import ModelLoadError
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
+# dtype names users and configs write -> torch's name; kept as strings so that reading a config (the HTTP process
+# resolving its model) does not import torch
 _DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "half": torch.float16,
-    "float": torch.float32,
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "float": "float32",
 }
 
 
@@ -41,7 +45,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    checkpoint_dtype: torch.dtype | None = None
+    checkpoint_dtype: str | None = None  # torch's name of the checkpoint's dtype (parse_dtype gives the dtype)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
 
@@ -96,7 +100,9 @@ class ModelConfig:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    import torch
+
     try:
-        return _DTYPES[name]
+        return getattr(torch, _DTYPES[name])
     except KeyError:
         raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {name!r}") from None
