@@ -122,7 +122,6 @@ class StepSender:
             pass
         # Leave the groups together with the workers, which do so on STOP: NCCL's teardown waits for every rank
         # of a communicator, so rank 0 must not first wait for the workers to exit (they wait for it there).
-        release_graphs(self.runner)
         leave_groups(timeout_s=15)
         for p in self.procs:
             p.join(timeout=10)
@@ -160,7 +159,6 @@ def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_pa
         tp, control = join(size, rank, init, args)
         loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
         worker_loop(runner, control, tp.group)
-        release_graphs(runner)
         leave_groups(timeout_s=15)
     except Exception:  # the log names the rank; rank 0 sees the exit and ends the server
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
@@ -177,16 +175,7 @@ def leave_groups(timeout_s: float) -> bool:
 
     def destroy() -> None:
         try:
-            if dist.get_backend() == "nccl":
-                # NCCL's graceful teardown has waited forever after collectives captured in CUDA graphs (pytorch
-                # #115388). Nothing is in flight here (the device was synchronized and the step loop ended), so
-                # each rank aborts its communicators locally; that also unregisters every group, so a new
-                # group (another Engine in this process) can start.
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group()
-            else:
-                dist.destroy_process_group()
+            dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - logged: a group left registered stops the next one in this process
             logger.warning("tensor-parallel teardown failed:\n%s", traceback.format_exc())
 
@@ -199,17 +188,6 @@ def leave_groups(timeout_s: float) -> bool:
     else:
         logger.debug("tensor-parallel groups left in %.2f s", time.monotonic() - start)
     return not t.is_alive() and not dist.is_initialized()
-
-
-def release_graphs(runner) -> None:
-    """Drop the runner's CUDA graphs before its groups are left: a graph holds kernels of the NCCL
-    communicators it captured, and a communicator torn down under live graphs has waited on them."""
-    import gc
-
-    runner.graphs = None
-    gc.collect()
-    if torch.cuda.is_available() and str(runner.device).startswith("cuda"):
-        torch.cuda.synchronize(runner.device)
 
 
 def local_ranks(args) -> range:
