@@ -180,16 +180,13 @@ class ServerProcess:
     """`python -m radixlm.launch_server` as a real subprocess on a free port; waits for /health."""
 
     def __init__(self, *args: str, env: dict | None = None, timeout: float = 180):
-        import socket
         import subprocess
         import sys
         import time
 
         import httpx
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port), "--log-level", "warning", *args]
         self.log = open(os.devnull, "w") if os.environ.get("RADIXLM_TEST_QUIET") else None
@@ -213,6 +210,15 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pid_alive(pid: int) -> bool:
@@ -279,16 +285,13 @@ class RouterProcess:
     """`radixlm router` as a real subprocess on a free port; waits until it answers."""
 
     def __init__(self, *args: str, healthy: bool = True):
-        import socket
         import subprocess
         import sys
         import time
 
         import httpx
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "radixlm.cli", "router", "--port", str(self.port), "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd)

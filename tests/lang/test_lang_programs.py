@@ -6,11 +6,11 @@ server's /v1. Backends: conftest.py.
 from __future__ import annotations
 
 import re
-import socket
 
 import pytest
 
 import radixlm as sgl
+from tests.helpers import free_port
 
 # --- SGLang's documented programs, unchanged -------------------------------------------------------------
 # (from SGLang's README / frontend docs and examples/frontend_language/usage/readme_examples.py; only the
@@ -182,9 +182,7 @@ def test_select_with_no_choices_is_an_error(engine_backend):
 
 
 def test_endpoint_that_is_down_fails_at_construction():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # the port is closed now: nothing listens there
     with pytest.raises(sgl.LangError, match=f"127.0.0.1:{port}"):
         sgl.RuntimeEndpoint(f"http://127.0.0.1:{port}")

@@ -5,7 +5,6 @@ its --dist-timeout with a message naming the likely cause."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,12 @@ import httpx
 import openai
 
 import radixlm
-from tests.helpers import ServerProcess
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import ServerProcess, free_port
 
 
 def test_two_nodes_serve_as_one_engine(tiny_dirs):
     path = str(tiny_dirs["llama"])
-    addr = f"127.0.0.1:{_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     common = ["--model-path", path, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
     common += ["--max-total-tokens", "4096", "--dist-timeout", "120"]
     node1 = ServerProcess(*common, "--node-rank", "1")  # its /health stub answers once its rank is started
@@ -48,8 +41,8 @@ def test_two_nodes_serve_as_one_engine(tiny_dirs):
 
 def test_unreachable_group_fails_within_the_timeout(tiny_dirs):
     cmd = [sys.executable, "-m", "radixlm.launch_server", "--model-path", str(tiny_dirs["llama"]), "--port",
-           str(_port()), "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
-           f"127.0.0.1:{_port()}", "--dist-timeout", "2"]  # fmt: skip
+           str(free_port()), "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
+           f"127.0.0.1:{free_port()}", "--dist-timeout", "2"]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
