@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -101,6 +102,11 @@ class OpenAIServing:
         self.tm = tm
         self.name = served_model_name
         self.model_path = model_path
+        # `created` names the model, not the request: its files' time (the same on every replica serving them)
+        try:
+            self.created = int(os.stat(model_path).st_mtime)
+        except OSError:
+            self.created = int(time.time())
 
     def models(self) -> dict:
         return {
@@ -109,7 +115,7 @@ class OpenAIServing:
                 {
                     "id": self.name,
                     "object": "model",
-                    "created": int(time.time()),
+                    "created": self.created,
                     "owned_by": "radixlm",
                     "root": self.model_path,
                     "max_model_len": self.tm.context_length,
