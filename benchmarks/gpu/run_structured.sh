@@ -20,8 +20,9 @@ TOK=/tmp/tok_full  # every sampled id streams as visible text (see full_vocab_to
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 JSON="--dataset json --num-prompts 256 --input-len 64 --output-len 256 --max-concurrency 64"
 rss() { echo $(( $(awk '{print $2}' /proc/$1/statm) * 4 / 1024 )); }
-# TRACE=1: the server records its steps; after each run the trace is cut (steps_<run>.jsonl) and its decode steps'
-# host phases are summarized (itl_tail.step_summary), to see where a constrained step's time goes
+# TRACE=1: the server records its steps (srt/diagnostics/step_trace.py); after each run the trace is cut
+# (steps_<run>.jsonl) and summarized per kind of step: the host's ms in step() and the time from one step's start
+# to the next's, to see where a constrained step's time goes
 [ "${TRACE:-0}" = 1 ] && export RADIXLM_STEP_TRACE=/tmp/steps.jsonl
 cut_trace() {
     [ "${TRACE:-0}" = 1 ] || return 0
@@ -29,14 +30,20 @@ cut_trace() {
     [ -f /tmp/steps.jsonl ] && mv /tmp/steps.jsonl /tmp/steps_$1.jsonl
     [ "$1" = warmup ] && return 0
     python - /tmp/steps_$1.jsonl $1 <<'PY'
-import json, sys
-from benchmarks.itl_tail import load_steps, step_summary
-s = step_summary(load_steps(__import__("pathlib").Path(sys.argv[1])))
+import json, statistics, sys
+steps = [json.loads(line) for line in open(sys.argv[1])]
+def q(v, p):
+    return sorted(v)[min(len(v) - 1, int(p * len(v)))] if v else float("nan")
 for mode in ("decode", "extend"):
-    if mode in s:
-        print(f"  {sys.argv[2]} {mode}: {s[mode]['steps']} steps, host ms p50 {s[mode]['ms_p50']:.2f}, "
-              f"phases p50 {s[mode]['phase_p50']}")
-print(f"  {sys.argv[2]} between steps ms: {s['between_steps_ms']}")
+    rows = [i for i, s in enumerate(steps) if s.get("mode") == mode]
+    if not rows:
+        continue
+    host = [steps[i]["ms"] for i in rows]
+    gap = [(steps[i + 1]["t"] - steps[i]["t"]) * 1e3 for i in rows if i + 1 < len(steps)]
+    late = sum(not steps[i].get("sampled_early", True) for i in rows)
+    print(f"  {sys.argv[2]} {mode}: {len(rows)} steps ({late} sampled late), host ms in step p50 {q(host, .5):.2f} "
+          f"p90 {q(host, .9):.2f}; start to next start ms p50 {q(gap, .5):.2f} p90 {q(gap, .9):.2f} "
+          f"mean {statistics.fmean(gap) if gap else float('nan'):.2f}")
 PY
 }
 first=1

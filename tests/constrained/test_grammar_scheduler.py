@@ -509,6 +509,8 @@ def test_overlap_fills_masks_early_and_answers_as_without_overlap(backend):
             assert engine.scheduler.overlap == overlap and not engine.scheduler.grammar.jump_forward
             outs[overlap] = [o["text"] for o in engine.generate(prompts, params)]
             assert (engine.scheduler.grammar._filler is not None) == overlap
+            # constrained batches sampled one step late, after the next batch was scheduled (off: never)
+            assert (engine.scheduler.stats.late_samples > 0) == overlap
             assert_engine_idle(engine)
         finally:
             engine.shutdown()
