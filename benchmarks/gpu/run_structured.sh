@@ -14,7 +14,8 @@ URL=http://127.0.0.1:$PORT
 exec > >(tee -a "$DEST/log.txt") 2>&1
 left() { local n=$((BUDGET - SECONDS)); echo $((n > 1 ? n : 1)); }
 source .gpu-bundle/activate
-export PYTHONPATH=$PWD:$PYTHONPATH
+# CODE=dir: the runtime from another checkout (an A/B of two commits in one call); the benchmarks from here
+export PYTHONPATH=${CODE:+$CODE:}$PWD:$PYTHONPATH
 TOK=/tmp/tok_full  # every sampled id streams as visible text (see full_vocab_tokenizer.py)
 [ -d $TOK ] || python benchmarks/gpu/full_vocab_tokenizer.py .gpu-bundle/tokenizer $TOK 128256
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
