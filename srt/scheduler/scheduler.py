@@ -30,7 +30,7 @@ import torch
 from radixlm.srt.managers.io_struct import FinishReason, TokenOutput
 from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
-from radixlm.srt.scheduler.batch import ScheduledBatch, build_extend, build_verify, sampling_info
+from radixlm.srt.scheduler.batch import ScheduledBatch, build_extend, build_verify, sample_steps, sampling_info
 from radixlm.srt.scheduler.decode import make_room, schedule_decode
 from radixlm.srt.scheduler.grammar import SchedulerGrammar
 from radixlm.srt.scheduler.kv import ReqKV
@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7  # assumed fraction of max_new_tokens a request will really generate
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+_MAX_SPEC_PAUSE = 16
 
 
 class BatchFailed(Exception):
@@ -99,6 +100,8 @@ class Scheduler:
         )
         spec = SpecConfig.from_args(args, runner.device.type)
         self.drafter = Drafter(spec, self.tree_cache, self.context_length) if spec is not None else None
+        self._spec_pause = 0  # overlap steps left before drafts are looked for again (_no_drafts)
+        self._spec_idle = 0  # the last pause's length
         self.outputs = OutputProcessor(tokenizer, self.context_length, self.grammar, self.kv, self.stats, self.drafter)
         freeze_startup_objects()  # the model, tokenizer and graphs, out of the collector's full passes
 
@@ -160,7 +163,10 @@ class Scheduler:
         return self._apply(self.outputs.process(batch))
 
     def _step_overlap(self) -> list[TokenOutput]:
-        if self._speculating():
+        if self._spec_pause > 0:  # nobody drafted lately: keep the overlap this step (see _no_drafts)
+            self._spec_pause -= 1
+        elif self._speculating():
+            self.stats.spec_in_order_steps += 1
             # Drafts are looked up on the host from every token so far, so a speculative step cannot be scheduled
             # while the previous one is still on the device: these steps run in order (as SGLang does with its
             # n-gram drafts). Large batches, which overlap helps most, do not draft (SpecConfig.max_batch_size).
@@ -192,6 +198,15 @@ class Scheduler:
         if batch is None or (batch.pending is None and not self._launch_sample(batch)):
             return []
         return self._apply(self.outputs.process(batch))
+
+    def _no_drafts(self) -> None:
+        """A step that could have verified drafts found none. Under overlap, drafting runs steps in order (their
+        tokens must all be on the host), which costs a step its overlap; so the next 1, 2, 4 ... (at most 16)
+        steps run overlapped before drafts are looked for again: free text that never drafts keeps nearly all
+        of the overlap, and a request that starts copying drafts within a few steps."""
+        if self.overlap:
+            self._spec_idle = min(2 * self._spec_idle or 1, _MAX_SPEC_PAUSE)  # 1, 2, 4 ... 16
+            self._spec_pause = self._spec_idle
 
     def _speculating(self) -> bool:
         return self.drafter is not None and self.drafter.active(
@@ -274,12 +289,13 @@ class Scheduler:
         reqs = [r for r in self.running if r.decodable(self.context_length)]
         if self.inflight is not None or any(r.pending_ref is not None for r in reqs):
             return None  # drafts and masks need every token so far; a step in flight has some of them
-        drafts = self.drafter.propose(reqs, self.kv.room() - len(reqs))
+        drafts, mask = self.drafter.propose(reqs, self.kv.room() - len(reqs)), None
+        if any(drafts):
+            drafts, mask = self.grammar.draft_masks(reqs, drafts)
         if not any(drafts):
+            self._no_drafts()
             return None
-        drafts, mask = self.grammar.draft_masks(reqs, drafts)
-        if not any(drafts):
-            return None
+        self._spec_idle = 0
         batch = build_verify(reqs, drafts, self.kv.alloc(len(reqs) + sum(map(len, drafts))), self.req_pool)
         batch.verify_mask = mask
         drafting = sum(1 for d in drafts if d)
@@ -313,6 +329,8 @@ class Scheduler:
                 self.kv.take_row(r)
             if not r.admitted:
                 r.admitted = True
+                self._spec_pause = 0  # a new request may draft: look at the next decode step (the pause's
+                # length stays, so a look that finds nothing waits as long as the last one did)
                 r.cached_tokens = len(r.prefix_slots)
                 self.stats.prompt_tokens += len(r.input_ids)
                 self.stats.cached_tokens += r.cached_tokens
@@ -342,6 +360,7 @@ class Scheduler:
                 batch.logits = self.runner.run_forward(batch.spec)
         except BatchFailed:
             return None
+        batch.steps = sample_steps(batch.sample_reqs, batch.row_offsets)
         if self.overlap and batch.sample_reqs and batch.drafts is None:
             # Where its sampled ids will be on the device, known before it samples: the next step is scheduled
             # against them (a verify step is processed before the next is scheduled).
@@ -357,9 +376,7 @@ class Scheduler:
                 n = len(batch.sample_reqs)
                 logits = batch.logits
                 info = (
-                    sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device, batch.row_offsets)
-                    if n
-                    else None
+                    sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device, batch.steps) if n else None
                 )
                 if batch.drafts is not None:  # every verified position's mask, filled when the drafts were cut
                     info.vocab_mask = None if batch.verify_mask is None else to_device(batch.verify_mask, logits.device)

@@ -25,6 +25,7 @@ class SchedulerStats:
     spec_drafting_requests: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_in_order_steps: int = 0  # overlap: steps run in order to look for drafts (see Scheduler._no_drafts)
 
     @property
     def cache_hit_rate(self) -> float:

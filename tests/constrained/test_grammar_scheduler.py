@@ -481,19 +481,25 @@ def test_jump_forward_saves_forward_passes(backend_engines, strict_engines, back
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_overlap_fills_masks_early_and_answers_as_without_overlap(backend):
     """Under overlap scheduling (the CUDA default) a constrained batch's mask is filled on the mask thread while
-    the previous step is processed. Greedy answers of a mixed batch (JSON, regex, unconstrained) are the same as
-    with overlap off, every constrained one valid, and the early fill really ran."""
+    the previous step is processed, and the batch samples one step late. Greedy and seeded sampled answers of a
+    mixed batch (JSON, regex, unconstrained, penalties) are the same as with overlap off, every constrained one
+    valid, and the early fill really ran."""
     prompts = [
         "Describe a pet owner in JSON: ",
         "My favourite pet is a ",
         "The capital of France is",
         "Another pet owner, as JSON: ",
+        "A third pet owner, as JSON: ",
+        "Name some animals:",
     ]
+    sampled = {"temperature": 1.0, "top_p": 0.95}  # seeded: the same tokens whichever step samples them
     params = [
         {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
         {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
         {**GREEDY, "max_new_tokens": 8},
         {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
+        {"json_schema": SMALL_SCHEMA, **sampled, "seed": 7, "max_new_tokens": 40},
+        {**sampled, "seed": 3, "presence_penalty": 0.5, "max_new_tokens": 12},  # penalties sample late too
     ]
     outs = {}
     for overlap in (False, True):
@@ -515,6 +521,6 @@ def test_overlap_fills_masks_early_and_answers_as_without_overlap(backend):
         finally:
             engine.shutdown()
     assert outs[True] == outs[False]
-    for i in (0, 3):
+    for i in (0, 3, 4):
         jsonschema.validate(json.loads(outs[True][i]), SMALL_SCHEMA)
     assert re.fullmatch(r"(cat|dog|bird)", outs[True][1])
