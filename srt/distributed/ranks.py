@@ -85,7 +85,7 @@ class StepSender:
         self.dead: str | None = None  # set by watch_workers
         self.stopped = False
         self.journal: list = []
-        self.futures: list[tuple[torch.Tensor, int]] = []  # (sampled ids, first slot) since the last announcement
+        self.futures: list[torch.Tensor] = []  # sampled ids stored since the last announcement
         runner.req_to_token_pool.journal = self.journal
         runner.step_hook = self
 
@@ -94,10 +94,10 @@ class StepSender:
         if self.dead is not None and kind != STOP:
             raise RuntimeError(self.dead)
         futures, self.futures = self.futures, []
-        record = encode(kind, spec, self.journal, [(ids.shape[0], ids.dtype, base) for ids, base in futures])
+        record = encode(kind, spec, self.journal, [(ids.shape[0], ids.dtype) for ids in futures])
         self.journal[:] = []
         self.channel.send(record)
-        return [ids for ids, _ in futures]
+        return futures
 
     def before_forward(self, spec) -> None:
         """The runner's hook: announce the step to the workers before rank 0 runs it."""
@@ -108,12 +108,11 @@ class StepSender:
         if self.runner.server_args.tp_check_batches:
             check_batch(self.runner, spec, self.control)
 
-    def on_futures(self, ids: torch.Tensor, base: int) -> None:
+    def on_futures(self, ids: torch.Tensor) -> None:
         """The runner's hook for the overlap scheduler's sampled ids, which a later step reads on the device.
         Rank 0 keeps them at once; the workers get them by a broadcast right after the next announcement, which
-        tells them to expect it (so nothing on rank 0's device waits for a worker that has not been told). The
-        slots go with them: rank 0 reserves them when a step is launched, which may be before it samples."""
-        self.futures.append((ids.contiguous(), base))
+        tells them to expect it (so nothing on rank 0's device waits for a worker that has not been told)."""
+        self.futures.append(ids.contiguous())
 
     def stop(self) -> None:
         self.stopped = True
@@ -142,10 +141,10 @@ def worker_loop(runner, control, tp_group) -> None:
             return
         if rec.writes is not None:
             pool.write_many(*rec.writes)
-        for n, dtype, base in rec.futures:
+        for n, dtype in rec.futures:
             ids = torch.empty(n, dtype=dtype, device=runner.device)
             dist.broadcast(ids, src=0, group=tp_group)
-            runner.store_futures(ids, base)
+            runner.store_futures(ids)
         if runner.server_args.tp_check_batches:
             check_batch(runner, rec.spec, control)
         runner.run_forward(rec.spec)

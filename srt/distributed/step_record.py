@@ -8,7 +8,7 @@ on the host's critical path of every step; filling an array takes a few.
 
 Layout: a header of _HEADER int64 values, then input ids, positions, request rows, sequence lengths, KV slots,
 logits rows (if any), extend prefix and new lengths (extend only), the writes' rows, columns and slots, and the
-futures' (count, dtype code, slot) triples.
+futures' (count, dtype code) pairs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class StepRecord:
     kind: int
     spec: BatchSpec | None
     writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, columns, slots (int64)
-    futures: list[tuple[int, torch.dtype, int]]  # (ids, dtype, first future slot) of each broadcast, in order
+    futures: list[tuple[int, torch.dtype]]  # (ids, dtype) of each broadcast, in order
 
 
 def merge_writes(journal: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -63,7 +63,7 @@ def merge_writes(journal: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return r, c, s
 
 
-def encode(kind: int, spec: BatchSpec | None, journal: list, futures: list[tuple[int, torch.dtype, int]]) -> np.ndarray:
+def encode(kind: int, spec: BatchSpec | None, journal: list, futures: list[tuple[int, torch.dtype]]) -> np.ndarray:
     r, c, s = merge_writes(journal)
     parts: list = []
     if spec is not None:
@@ -72,7 +72,7 @@ def encode(kind: int, spec: BatchSpec | None, journal: list, futures: list[tuple
             parts.append(spec.logits_indices)
         if spec.extend_prefix_lens is not None:
             parts += [spec.extend_prefix_lens, spec.extend_seq_lens]
-    parts += [r, c, s, [v for n, dtype, base in futures for v in (n, _DTYPES.index(dtype), base)]]
+    parts += [r, c, s, [v for n, dtype in futures for v in (n, _DTYPES.index(dtype))]]
     payload = [np.asarray(p, dtype=np.int64).ravel() for p in parts]
     header = np.array(
         [
@@ -113,8 +113,8 @@ def decode(buf: np.ndarray) -> StepRecord:
     writes = None
     if n_writes:
         writes = tuple(torch.from_numpy(take(n_writes).copy()) for _ in range(3))
-    flat = take(3 * n_futures).tolist()
-    futures = [(flat[i], _DTYPES[flat[i + 1]], flat[i + 2]) for i in range(0, len(flat), 3)]
+    flat = take(2 * n_futures).tolist()
+    futures = [(flat[i], _DTYPES[flat[i + 1]]) for i in range(0, len(flat), 2)]
     return StepRecord(kind, spec, writes, futures)
 
 

@@ -52,7 +52,7 @@ class StepHook(Protocol):
 
     def before_forward(self, spec: BatchSpec) -> None: ...
 
-    def on_futures(self, ids: torch.Tensor, base: int) -> None: ...
+    def on_futures(self, ids: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -253,21 +253,14 @@ class ModelRunner:
             )
             return PendingSample(ids, n, info, self.staging.copy(flat), 0 if extra is None else extra.numel())
 
-    def reserve_futures(self, n: int) -> int:
-        """The index of n consecutive future slots for ids not sampled yet: the overlap scheduler schedules the
-        next step against them before a batch whose sampling waits for its grammar masks has sampled."""
+    def store_futures(self, ids: torch.Tensor) -> int:
+        """Keep sampled ids on the device for the next step's inputs; returns the index of the first."""
+        if self.step_hook is not None:
+            self.step_hook.on_futures(ids)
+        n = ids.shape[0]
         if self._future_next + n > self.future_map.shape[0]:
             self._future_next = 0
         base = self._future_next
+        self.future_map[base : base + n].copy_(ids)
         self._future_next += n
-        return base
-
-    def store_futures(self, ids: torch.Tensor, base: int | None = None) -> int:
-        """Keep sampled ids on the device for the next step's inputs (at `base` when reserved); returns the index
-        of the first."""
-        if base is None:
-            base = self.reserve_futures(ids.shape[0])
-        if self.step_hook is not None:
-            self.step_hook.on_futures(ids, base)
-        self.future_map[base : base + ids.shape[0]].copy_(ids)
         return base

@@ -44,7 +44,6 @@ class ScheduledBatch:
     # each sampled row past its request's tokens, and the host grammar mask of every row (None: unconstrained).
     drafts: list[list[int]] | None = None
     row_offsets: list[int] | None = None
-    steps: list[int] | None = None  # per sampled row, its request's tokens before it (sample_steps, at launch)
     verify_mask: torch.Tensor | None = None
 
     @property
@@ -203,19 +202,13 @@ def build_decode(reqs: list[Req], slots: torch.Tensor, req_pool: ReqToTokenPool)
     )
 
 
-def sample_steps(reqs: list[Req], offsets: list[int] | None = None) -> list[int]:
-    """Per sampled row, how many tokens its request has before the one the row samples (the seeded noise and
-    min_new_tokens are keyed by it). `offsets`: how far past the request's current tokens the row samples
-    (speculative verify). Taken when the batch is launched: later its own future ids count as produced."""
-    return [r.produced() for r in reqs] if offsets is None else [r.produced() + o for r, o in zip(reqs, offsets)]
-
-
 def sampling_info(
-    reqs: list[Req], vocab_size: int, device: torch.device, steps: list[int] | None = None
+    reqs: list[Req], vocab_size: int, device: torch.device, offsets: list[int] | None = None
 ) -> SamplingBatchInfo:
-    """`steps`: see sample_steps (default: taken now)."""
+    """`offsets`: per row, how many tokens past its request's current ones the row samples (speculative verify:
+    the seeded noise and min_new_tokens are those of that later step)."""
     ps = [r.sampling_params for r in reqs]
-    steps = sample_steps(reqs) if steps is None else steps
+    steps = [r.produced() for r in reqs] if offsets is None else [r.produced() + o for r, o in zip(reqs, offsets)]
     greedy = [p.is_greedy for p in ps]
 
     def f(values, dtype=torch.float32):

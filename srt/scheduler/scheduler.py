@@ -12,9 +12,7 @@ schedules and launches step n+1 before it processes step n, so the device never 
 reads step n's tokens straight from the device (futures), a request that finished at step n rides in step n+1
 and its extra token is dropped. Its sampling is launched with its forward, so the device has the whole step
 queued while the host processes step n; where penalties or grammar masks need step n's tokens, it is launched
-at the start of the following step, after step n is processed and step n+2 scheduled (the mask fills on a
-thread meanwhile) and right before step n+2's forward is queued, so the host's work between steps overlaps a
-forward on the device. Sampled ids get their future slots when the forward is launched, before they exist.
+after step n is processed, while the forward runs.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import torch
 from radixlm.srt.managers.io_struct import FinishReason, TokenOutput
 from radixlm.srt.managers.request_prep import check_request_limits
 from radixlm.srt.mem_cache.radix_cache import ChunkCache, RadixCache
-from radixlm.srt.scheduler.batch import ScheduledBatch, build_extend, build_verify, sample_steps, sampling_info
+from radixlm.srt.scheduler.batch import ScheduledBatch, build_extend, build_verify, sampling_info
 from radixlm.srt.scheduler.decode import make_room, schedule_decode
 from radixlm.srt.scheduler.grammar import SchedulerGrammar
 from radixlm.srt.scheduler.kv import ReqKV
@@ -170,34 +168,28 @@ class Scheduler:
             # Drafts are looked up on the host from every token so far, so a speculative step cannot be scheduled
             # while the previous one is still on the device: these steps run in order (as SGLang does with its
             # n-gram drafts). Large batches, which overlap helps most, do not draft (SpecConfig.max_batch_size).
-            return self._drain_inflight() + self._step_plain()
+            outputs = []
+            if self.inflight is not None:
+                outputs = self._apply(self.outputs.process(self.inflight))
+                self.inflight = None
+            return outputs + self._step_plain()
         # Sampling that reads nothing from the step in flight is launched with the forward, so the device has
-        # the whole step queued while the host processes the previous one. Grammar masks and penalties need that
-        # step's tokens, so such a batch samples one step later: after the next batch is scheduled (its mask
-        # fills on the mask thread meanwhile) and right before the next forward is queued behind it, so the
-        # host's bookkeeping between two steps runs while the device still has a forward to do.
-        spec = self._schedule()
-        prev, self.inflight = self.inflight, None
-        if prev is not None and prev.pending is None:
-            self.stats.late_samples += 1
-            if not self._launch_sample(prev):
-                prev = None
-        batch = self._launch_forward(spec)
+        # the whole step queued while the host processes the previous one; grammar masks and penalties need
+        # that step's tokens, so such a batch samples after it is processed.
+        batch = self._launch_forward(self._schedule())
         early = batch is not None and self._samples_early(batch)
         if early and not self._launch_sample(batch):
             batch = None
-        outputs = [] if prev is None else self._apply(self.outputs.process(prev, None if early else batch))
-        self.inflight = batch
+        outputs: list[TokenOutput] = []
+        if self.inflight is not None:
+            outputs = self._apply(self.outputs.process(self.inflight, None if early else batch))
+        self.inflight = None
+        if batch is not None and not early and not self._launch_sample(batch):
+            batch = None
         if batch is not None:
+            self.inflight = batch
             self.last_step.sampled_early = early
         return outputs
-
-    def _drain_inflight(self) -> list[TokenOutput]:
-        """Sample (if it waits for its masks) and process the batch in flight, before the loop runs in order."""
-        batch, self.inflight = self.inflight, None
-        if batch is None or (batch.pending is None and not self._launch_sample(batch)):
-            return []
-        return self._apply(self.outputs.process(batch))
 
     def _no_drafts(self) -> None:
         """A step that could have verified drafts found none. Under overlap, drafting runs steps in order (their
@@ -225,7 +217,9 @@ class Scheduler:
         """Empty the radix cache; refused (False) while requests are in flight."""
         if self.waiting or self.running or self.chunked:
             return False
-        self._outputs += self._drain_inflight()  # only finished requests' extra tokens are left in it
+        if self.inflight is not None:  # only finished requests' extra tokens are left in it
+            self._outputs += self._apply(self.outputs.process(self.inflight))
+            self.inflight = None
         return self.tree_cache.flush()
 
     def get_stats(self) -> dict:
@@ -360,13 +354,6 @@ class Scheduler:
                 batch.logits = self.runner.run_forward(batch.spec)
         except BatchFailed:
             return None
-        batch.steps = sample_steps(batch.sample_reqs, batch.row_offsets)
-        if self.overlap and batch.sample_reqs and batch.drafts is None:
-            # Where its sampled ids will be on the device, known before it samples: the next step is scheduled
-            # against them (a verify step is processed before the next is scheduled).
-            batch.future_base = base = self.runner.reserve_futures(len(batch.sample_reqs))
-            for j, i in enumerate(batch.sample_pos):
-                batch.reqs[i].pending_ref = base + j
         return batch
 
     def _launch_sample(self, batch: ScheduledBatch) -> bool:
@@ -376,7 +363,9 @@ class Scheduler:
                 n = len(batch.sample_reqs)
                 logits = batch.logits
                 info = (
-                    sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device, batch.steps) if n else None
+                    sampling_info(batch.sample_reqs, self.runner.vocab_size, logits.device, batch.row_offsets)
+                    if n
+                    else None
                 )
                 if batch.drafts is not None:  # every verified position's mask, filled when the drafts were cut
                     info.vocab_mask = None if batch.verify_mask is None else to_device(batch.verify_mask, logits.device)
@@ -393,8 +382,11 @@ class Scheduler:
                 batch.logits = None
         except BatchFailed:
             return False
-        if batch.future_base is not None:
-            self.runner.store_futures(batch.pending.ids, batch.future_base)
+        if self.overlap and n and batch.drafts is None:  # a verify step is processed before the next is scheduled
+            batch.future_base = base = self.runner.store_futures(batch.pending.ids)
+            for j, i in enumerate(batch.sample_pos):
+                if batch.is_current(i):
+                    batch.reqs[i].pending_ref = base + j
         return True
 
     @staticmethod

@@ -15,7 +15,6 @@ class SchedulerStats:
     extend_steps: int = 0
     decode_steps: int = 0
     mixed_steps: int = 0  # extend steps that carried running requests' decode tokens
-    late_samples: int = 0  # overlap: batches that sampled after the next batch was scheduled (grammar, penalties)
     retractions: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0

@@ -481,9 +481,9 @@ def test_jump_forward_saves_forward_passes(backend_engines, strict_engines, back
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 def test_overlap_fills_masks_early_and_answers_as_without_overlap(backend):
     """Under overlap scheduling (the CUDA default) a constrained batch's mask is filled on the mask thread while
-    the previous step is processed, and the batch samples one step late. Greedy and seeded sampled answers of a
-    mixed batch (JSON, regex, unconstrained, penalties) are the same as with overlap off, every constrained one
-    valid, and the early fill really ran."""
+    the previous step is processed. Greedy and seeded sampled answers of a mixed batch (JSON, regex,
+    unconstrained, penalties: these sample after the step before is processed) are the same as with overlap off,
+    every constrained one valid, and the early fill really ran."""
     prompts = [
         "Describe a pet owner in JSON: ",
         "My favourite pet is a ",
@@ -515,8 +515,6 @@ def test_overlap_fills_masks_early_and_answers_as_without_overlap(backend):
             assert engine.scheduler.overlap == overlap and not engine.scheduler.grammar.jump_forward
             outs[overlap] = [o["text"] for o in engine.generate(prompts, params)]
             assert (engine.scheduler.grammar._filler is not None) == overlap
-            # constrained batches sampled one step late, after the next batch was scheduled (off: never)
-            assert (engine.scheduler.stats.late_samples > 0) == overlap
             assert_engine_idle(engine)
         finally:
             engine.shutdown()

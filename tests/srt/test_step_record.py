@@ -44,7 +44,7 @@ def _same(a: BatchSpec, b: BatchSpec) -> bool:
 
 def test_round_trip_of_every_field():
     journal = [("write", (6, 0, torch.tensor([7, 8, 9, 10], dtype=torch.int32)))]
-    futures = [(3, torch.int64, 40), (2, torch.int32, 0)]
+    futures = [(3, torch.int64), (2, torch.int32)]
     for spec in (_extend_spec(), _decode_spec(5)):
         rec = decode(encode(FORWARD, spec, journal, futures))
         assert rec.kind == FORWARD and _same(rec.spec, spec)
