@@ -89,13 +89,18 @@ def _make_specs(args, rng: random.Random) -> list[RequestSpec]:
             for i in range(args.num_prompts)
         ]
     if args.dataset == "random":
-        return [
+        specs = [
             RequestSpec(
                 words(rng, rng.randint(lo(args.input_len), args.input_len)),
                 rng.randint(lo(args.output_len), args.output_len),
             )
             for _ in range(args.num_prompts)
         ]
+        if args.output_lens_from:  # another run's answer lengths, in its order (an anchor with the same lengths)
+            lens = json.loads(Path(args.output_lens_from).read_text())["output_lens"]
+            for i, spec in enumerate(specs):
+                spec.output_len = lens[i % len(lens)]
+        return specs
     # shared-prefix: groups share a long system prompt, each request has its own question
     systems = [f"System {g}: " + words(rng, args.system_len) for g in range(args.groups)]
     specs = [
@@ -287,6 +292,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128, help="words per prompt (question, for shared-prefix)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.5, help="random lengths are in [ratio*len, len]")
+    ap.add_argument(
+        "--output-lens-from",
+        default=None,
+        help="random dataset: request i asks for the i-th answer length of this earlier --out JSON (with EOS "
+        "banned, an unconstrained anchor whose answers end when another run's did)",
+    )
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--system-len", type=int, default=512, help="words in each shared system prompt")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
@@ -350,9 +361,10 @@ def main() -> None:
         "e2e_ms": summarize([r.e2e for r in ok]),
         "mean_output_tokens": out_tokens / max(len(ok), 1),
         "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
+        "output_lens": [r.output_tokens for r in results if r.ok and not r.aborted],  # in request order
         "client_cpu": args.client_cpu,  # where the client's loop ran and any move off an interrupt-heavy CPU
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("config", "output_lens")}, indent=2))
     if args.save_chunk_times:  # perf_counter is CLOCK_MONOTONIC: comparable with the server's step trace
         report["chunk_times"] = [r.times for r in ok]
     if args.out:

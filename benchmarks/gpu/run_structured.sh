@@ -2,7 +2,8 @@
 # Structured output on the GPU default (CUDA graphs, overlap on; Triton attention, so no FlashInfer build): per
 # grammar backend, the `json` workload of bench_serving.py (256 chat requests with response_format json_schema,
 # c=64, temperature 0) streamed and not, every answer validated with jsonschema and every stream checked for its
-# end; with the first backend also the same concurrency unconstrained (the ITL anchor, same server, same call)
+# end; with the first backend also the same concurrency unconstrained (the ITL anchor, same server, same call;
+# once with fixed lengths near the JSON answers', once with each answer as long as its constrained twin's)
 # and a disconnect soak (half the streams dropped mid-answer) with the scheduler's RSS before and after.
 # Usage (device tool): bash benchmarks/gpu/run_structured.sh DEST [backends...]   (default: auto xgrammar)
 set -u
@@ -73,6 +74,12 @@ for g in $GRAMMARS; do
             --num-prompts 256 --input-len 64 --output-len 80 --range-ratio 0.9 --max-concurrency 64 \
             --eos-token-id 128001 --out "$DEST/plain_c64.json" > /dev/null
         cut_trace plain_c64
+        # the same, each answer as long as the constrained stream's answer of the same index: the anchor that
+        # leaves only the grammar's cost (the JSON answers' lengths vary, so their streams see more admissions)
+        timeout $(left) python benchmarks/bench_serving.py --base-url $URL --label plain-c64-matched --dataset random \
+            --num-prompts 256 --input-len 64 --max-concurrency 64 --eos-token-id 128001 \
+            --output-lens-from "$DEST/json_${g}_stream.json" --out "$DEST/plain_c64_matched.json" > /dev/null
+        cut_trace plain_c64_matched
         [ "${SOAK:-1}" = 1 ] || { first=0; kill -INT $SERVER; wait $SERVER; continue; }
         sched=$(curl -s $URL/get_server_info | python -c "import json,sys; print(json.load(sys.stdin)['process_ids']['scheduler'])")
         r0=$(rss $sched)
@@ -103,7 +110,7 @@ import glob, json, os, sys
 dest = sys.argv[1]
 print(f"{'run':<26} {'done':>5} {'valid':>6} {'cut':>4} {'finish':>24} {'req/s':>7} {'out tok/s':>9} {'ITL p50':>8} "
       f"{'ITL mean':>8} {'ITL p99':>8}")
-for f in sorted(glob.glob(f"{dest}/json_*.json")) + [f"{dest}/plain_c64.json"]:
+for f in sorted(glob.glob(f"{dest}/json_*.json")) + [f"{dest}/plain_c64.json", f"{dest}/plain_c64_matched.json"]:
     if not os.path.exists(f):
         continue
     d = json.load(open(f))
