@@ -122,6 +122,7 @@ class StepSender:
             pass
         # Leave the groups together with the workers, which do so on STOP: NCCL's teardown waits for every rank
         # of a communicator, so rank 0 must not first wait for the workers to exit (they wait for it there).
+        release_graphs(self.runner)
         leave_groups(timeout_s=15)
         for p in self.procs:
             p.join(timeout=10)
@@ -159,6 +160,7 @@ def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_pa
         tp, control = join(size, rank, init, args)
         loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
         worker_loop(runner, control, tp.group)
+        release_graphs(runner)
         leave_groups(timeout_s=15)
     except Exception:  # the log names the rank; rank 0 sees the exit and ends the server
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
@@ -188,6 +190,15 @@ def leave_groups(timeout_s: float) -> bool:
     else:
         logger.debug("tensor-parallel groups left in %.2f s", time.monotonic() - start)
     return not t.is_alive() and not dist.is_initialized()
+
+
+def release_graphs(runner) -> None:
+    """Destroy the runner's CUDA graphs: graphs that captured NCCL collectives keep their communicators' teardown
+    waiting (both ranks stuck in ncclCommFinalize polling for the graphs' plans to be reclaimed) until they are
+    destroyed, which dropping a reference does not guarantee."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+        runner.graphs = None
 
 
 def local_ranks(args) -> range:

@@ -444,6 +444,22 @@ class GraphRunner:
         kinds = ", ".join(f"{s.kind} {s.sizes[0]}..{s.max_size} ({len(s.sizes)} sizes)" for s in self.sets)
         logger.info("captured CUDA graphs: %s in %.1f s, %.2f GB", kinds, time.perf_counter() - start, used / 1e9)
 
+    def release(self) -> None:
+        """Destroy every captured graph now, not whenever the last reference to it goes: NCCL's teardown of a
+        communicator waits until every graph that captured its collectives is destroyed (it reclaims their
+        persistent plans), so tensor-parallel ranks release their graphs before they leave their groups."""
+        cuda = self.runner.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.runner.device)
+        for s in self.sets:
+            for bk in s.buckets.values():
+                for graph in bk.graphs:
+                    graph.reset()
+                bk.graphs = []
+        self.sets, self.decode, self.whole, self.piecewise = [], None, None, None
+        if cuda:
+            torch.cuda.synchronize(self.runner.device)
+
     def run(self, spec: BatchSpec) -> torch.Tensor | None:
         """Logits from the graphs that fit the batch; None when none does (the runner runs it eagerly)."""
         with torch.inference_mode():
