@@ -60,7 +60,9 @@ class Metrics:
         )
         self._labels = labels
         self._grammar: dict = {}
+        self._ranks: list[dict] = []
         r.register(_GrammarCollector(self))
+        r.register(_RankCollector(self))
 
     def http(self, route: str, status: int) -> None:
         self._http.labels(route=route, status=str(status), **self._labels).inc()
@@ -79,6 +81,7 @@ class Metrics:
         self.hit_rate.set(stats["cache_hit_rate"])
         self.gen_throughput.set(stats["gen_throughput"])
         self._grammar = stats.get("grammar") or {}
+        self._ranks = stats.get("tp_ranks") or []
         if stats.get("speculative"):
             self.spec_accept_rate.set(stats["spec_accept_rate"])
             self.spec_accept_length.set(stats["spec_accept_length"])
@@ -137,3 +140,24 @@ class _GrammarCollector:
         bounds = ["+Inf" if b == float("inf") else str(b) for b in COMPILE_BUCKETS]
         h.add_metric(values, list(zip(bounds, counts)), g.get("compile_seconds_sum", 0.0))
         yield h
+
+
+class _RankCollector:
+    """Each tensor-parallel rank's memory (one series per rank, labelled with its host and device), as the
+    scheduler reported it at the last stats pull."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self):
+        names = [*self.m._labels, "rank", "host", "device"]
+        used = GaugeMetricFamily("radixlm_tp_rank_memory_used_bytes", "Memory a rank holds (GPU: in use on its "
+                                 "device; CPU: resident)", labels=names)  # fmt: skip
+        total = GaugeMetricFamily("radixlm_tp_rank_memory_total_bytes", "Memory of a rank's device (or host)",
+                                  labels=names)  # fmt: skip
+        for r in self.m._ranks:
+            values = [*self.m._labels.values(), str(r["rank"]), r["host"], r["device"]]
+            used.add_metric(values, r["memory_used_bytes"])
+            total.add_metric(values, r["memory_total_bytes"])
+        yield used
+        yield total

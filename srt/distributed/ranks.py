@@ -159,6 +159,7 @@ def _worker_main(rank: int, size: int, init: str, args, model_path, tokenizer_pa
     try:
         tp, control = join(size, rank, init, args)
         loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
+        gather_rank_reports(runner, control)
         worker_loop(runner, control, tp.group)
         release_graphs(runner)
         leave_groups(timeout_s=15)
@@ -199,6 +200,37 @@ def release_graphs(runner) -> None:
     if runner.graphs is not None:
         runner.graphs.release()
         runner.graphs = None
+
+
+def rank_report(runner) -> dict:
+    """This rank's place and memory once its model, KV pool and graphs are built (the KV pool is allocated up
+    front, so this is what the rank holds while serving): GPU memory in use on its device, or the process's
+    resident memory on a CPU rank."""
+    dev = torch.device(runner.device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        used = total - free
+    else:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {
+        "rank": runner.tp.rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(dev),
+        "memory_used_bytes": int(used),
+        "memory_total_bytes": int(total),
+    }
+
+
+def gather_rank_reports(runner, control) -> list[dict]:
+    """Every rank's rank_report, in rank order (all ranks call it at the same point of start-up)."""
+    import torch.distributed as dist
+
+    out: list = [None] * runner.tp.size
+    dist.all_gather_object(out, rank_report(runner), group=control)
+    return out
 
 
 def local_ranks(args) -> range:
@@ -248,6 +280,7 @@ def start_ranks(args, model_path, tokenizer_path, exit_on_rank_death: bool = Fal
     process ends when a worker rank dies (see watch_workers)."""
     if args.tp_size == 1:
         loaded, runner = build_runner(args, model_path, tokenizer_path, SINGLE)
+        runner.rank_reports = [rank_report(runner)]
         return loaded, runner, None
     check_layout(args, model_path)
     init = init_address(args)
@@ -255,6 +288,7 @@ def start_ranks(args, model_path, tokenizer_path, exit_on_rank_death: bool = Fal
     try:
         tp, control = join(args.tp_size, 0, init, args)
         loaded, runner = build_runner(args, model_path, tokenizer_path, tp)
+        runner.rank_reports = gather_rank_reports(runner, control)
     except BaseException:
         for p in procs:
             p.kill()

@@ -75,6 +75,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, args: ServerArgs):
         self.model = loaded.model
         self.tp = self.model.tp
+        self.rank_reports: list[dict] = []  # every rank's place and memory (distributed/ranks.py rank_report)
         # This rank's shapes (its heads and MLP columns under tensor parallelism; the model's otherwise), with the
         # fields the loader filled in after building the model (end-of-sequence ids).
         local = self.model.local_config

@@ -242,6 +242,7 @@ class Scheduler:
             grammar=asdict(self.grammar.stats()),
             cuda_graph=self.runner.uses_cuda_graphs,
             tp_size=self.runner.tp.size,
+            tp_ranks=self.runner.rank_reports,
             speculative=self.drafter is not None,
             spec_accept_rate=self.stats.spec_accept_rate,
             spec_accept_length=self.stats.spec_accept_length,

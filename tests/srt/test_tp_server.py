@@ -47,6 +47,18 @@ def _chat(srv, content: str, **kw):
 def test_answers_as_one_rank_does(tp_server, server):
     info = httpx.get(f"{tp_server.url}/get_server_info", timeout=30).json()
     assert info["scheduler"]["tp_size"] == 3 and info["server_args"]["tp_size"] == 3
+    # the rank layout and each rank's memory: three processes on this host, each holding its shard (fp32
+    # weights / 3 and a third of the KV heads: more than 100 MB), the unsharded server one rank holding more
+    ranks = info["scheduler"]["tp_ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2] and len({r["pid"] for r in ranks}) == 3
+    assert all(r["device"] == "cpu" and 100e6 < r["memory_used_bytes"] < r["memory_total_bytes"] for r in ranks)
+    (whole,) = httpx.get(f"{server.url}/get_server_info", timeout=30).json()["scheduler"]["tp_ranks"]
+    assert whole["rank"] == 0 and whole["memory_used_bytes"] > min(r["memory_used_bytes"] for r in ranks)
+    metrics = httpx.get(f"{tp_server.url}/metrics", timeout=30).text
+    for r in ranks:
+        line = next(x for x in metrics.splitlines() if x.startswith("radixlm_tp_rank_memory_used_bytes{") and
+                    f'rank="{r["rank"]}"' in x)  # fmt: skip
+        assert f'host="{r["host"]}"' in line and float(line.split()[-1]) == r["memory_used_bytes"]
     for content in ("What is the capital of France?", "List three fruits."):
         one = _chat(server, content, max_tokens=12, logprobs=True, top_logprobs=3)
         many = _chat(tp_server, content, max_tokens=12, logprobs=True, top_logprobs=3)
