@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import gc
 import logging
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -61,3 +64,18 @@ def to_device(host, device):
 
         return upload(host, device)
     return host.to(device)
+
+
+@contextlib.contextmanager
+def exclusive(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing) across processes: work that several processes
+    starting together would otherwise all do at once (a JIT build, a download) is done by one while the others
+    wait, then find its result. The kernel drops the lock if the holder dies."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

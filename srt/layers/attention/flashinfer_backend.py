@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from radixlm.kernels.kv_indices import build_kv_indices
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
-from radixlm.srt.utils import to_device
+from radixlm.srt.utils import exclusive, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +183,20 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # --- start-up ------------------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile (or load from the cache) the kernels this backend runs, logging how long it took."""
+        """Compile (or load from the cache) the kernels this backend runs, logging how long it took. Processes
+        starting together (tensor-parallel ranks, replicas, a test beside a server) take turns: one builds a
+        module, the others wait and load it from the cache, instead of all compiling it at once into the same
+        files (concurrent builds of one module have failed the processes that loaded it half-written)."""
         logger.info(
             "FlashInfer: building/loading attention kernels (first start on a machine compiles them, "
             "which takes minutes; the cache is kept under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)"
         )
         start = time.perf_counter()
+        with exclusive(_cache_root() / "radixlm-build.lock"):
+            self._warm()
+        logger.info("FlashInfer kernels ready in %.1f s", time.perf_counter() - start)
+
+    def _warm(self) -> None:
         q = torch.zeros(1, self.h, self.d, dtype=self.dtype, device=self.device)
         kv = torch.zeros(2, 2, self.kvh, self.d, dtype=self.kv_dtype, device=self.device)
         ind = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -220,4 +230,8 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         self.prefill_wrapper.run(q, (kv[0], kv[1]))
         torch.cuda.synchronize(self.device)
-        logger.info("FlashInfer kernels ready in %.1f s", time.perf_counter() - start)
+
+
+def _cache_root() -> Path:
+    """FlashInfer's JIT cache directory (it keeps its builds under $FLASHINFER_WORKSPACE_BASE, default $HOME)."""
+    return Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer"
