@@ -326,15 +326,15 @@ def test_steps_without_drafts_keep_the_overlap(ref, spec_overlap, monkeypatch):
     """Under overlap, looking for drafts runs a step in order; text that never drafts must not pay that every
     step (on the GPU it cost 11-18% of plain decoding's speed): after a step that found no draft the next 1, 2,
     4 ... 16 steps run overlapped. The answers stay plain decoding's."""
-    params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
     s = spec_overlap.scheduler
     monkeypatch.setattr(s.drafter, "propose", lambda reqs, room: [[] for _ in reqs])  # free text: no n-gram hits
     before = dict(in_order=s.stats.spec_in_order_steps, decode=s.stats.decode_steps)
-    got = _texts(spec_overlap, FREE_FORM, params)
-    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref(FREE_FORM, params)]
+    got = _texts(spec_overlap, FREE_FORM[:1], params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref(FREE_FORM[:1], params)]
     in_order = s.stats.spec_in_order_steps - before["in_order"]
     decode = s.stats.decode_steps - before["decode"]
-    assert decode >= 63 and 1 <= in_order <= 8, (in_order, decode)  # 1+2+4+8+16+16+16 steps: 7 looked
+    assert decode >= 39 and 1 <= in_order <= 7, (in_order, decode)  # looks before steps 1, 3, 6, 11, 20, 37
     assert_engine_idle(spec_overlap)
 
 
