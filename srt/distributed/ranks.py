@@ -206,7 +206,7 @@ def rank_report(runner) -> dict:
     """This rank's place and memory once its model, KV pool and graphs are built (the KV pool is allocated up
     front, so this is what the rank holds while serving): GPU memory in use on its device, or the process's
     resident memory on a CPU rank."""
-    dev = torch.device(runner.device)
+    dev = runner.device
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         used = total - free

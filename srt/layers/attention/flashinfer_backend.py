@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -191,8 +189,10 @@ class FlashInferAttnBackend(AttentionBackend):
             "FlashInfer: building/loading attention kernels (first start on a machine compiles them, "
             "which takes minutes; the cache is kept under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer)"
         )
+        from flashinfer.jit.env import FLASHINFER_CACHE_DIR  # where FlashInfer keeps its builds
+
         start = time.perf_counter()
-        with exclusive(_cache_root() / "radixlm-build.lock"):
+        with exclusive(FLASHINFER_CACHE_DIR / "radixlm-build.lock"):
             self._warm()
         logger.info("FlashInfer kernels ready in %.1f s", time.perf_counter() - start)
 
@@ -230,8 +230,3 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         self.prefill_wrapper.run(q, (kv[0], kv[1]))
         torch.cuda.synchronize(self.device)
-
-
-def _cache_root() -> Path:
-    """FlashInfer's JIT cache directory (it keeps its builds under $FLASHINFER_WORKSPACE_BASE, default $HOME)."""
-    return Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer"
