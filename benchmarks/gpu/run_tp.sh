@@ -5,6 +5,8 @@
 #   decode    bench_decode on the 8B shape, bf16, at each tp (batch 1/32/128, context 512), NCCL share of a
 #             step; the plain PyTorch graph step on one GPU beside it
 #   decode8   the same in fp8 (fp8 LM head)
+#   profile70 bench_decode on the 70B shape in fp8 at each tp > 1, batch 64 at context 1,500 (the serve70 runs'
+#             steady state): step time and a kernel-time table (attention, GEMMs, NCCL) per rank-0 step
 #   serve70   radixlm serve on the 70B shape in fp8 at each tp > 1: 64 users, 512 in / 256 out then
 #             1,000 in / 1,000 out, random words (about a token each with the full-vocabulary tokenizer)
 #   prefix    the 8B shape, bf16, shared prefixes (8 groups x 1,500 words, c = 64), tp 1 then tp 2
@@ -108,7 +110,7 @@ PY
 }
 
 if stage test; then
-  timeout "$(cap 420)" python -m pytest -q -m gpu tests/gpu/test_tp_cuda.py -x 2>&1 | grep -v -i warn | tail -25 |
+  timeout "$(cap 420)" python -m pytest -q -m gpu tests/gpu/test_tp_cuda.py 2>&1 | grep -v -i warn | tail -25 |
     tee "$DEST/pytest_tp.txt"
 fi
 if stage decode; then
@@ -129,6 +131,17 @@ if stage vllm70; then
 fi
 if stage decode8; then
   for tp in $TPS; do HEAD=--fp8-lm-head decode fp8 decode8b_fp8_head "$tp"; done
+fi
+if stage profile70; then
+  for tp in $TPS; do
+    [ "$tp" -gt 1 ] || continue
+    echo "== profile 70b fp8 tp $tp ($(left) s left)"
+    timeout "$(cap 300)" python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-70b \
+      --load-format dummy --tokenizer-path "$TOK" --attention-backend triton --quantization fp8 --fp8-lm-head \
+      --batch-sizes 64 --context 1500 --extend-cuda-graph off --tp-size "$tp" --profile "$DEST/profile70_tp$tp.txt" \
+      --out "$DEST/profile70_tp$tp.json" 2>&1 | grep -v -i warn | grep -v "skinny matmul:" | tail -4
+    head -40 "$DEST/profile70_tp$tp.txt"
+  done
 fi
 if stage prefix; then
   for tp in ${PREFIX_TPS:-1 2}; do PREFIX=1 serve benchmarks/configs/llama-3.1-8b none "$tp" "llama8b_bf16_tp$tp"; done
