@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import radixlm
+from radixlm.srt.distributed.symm_all_reduce import MAX_BYTES
 from radixlm.srt.layers.quantization.fp8 import fp8_supported
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 from tests.helpers import ServerProcess, make_tiny_checkpoint, pid_alive, smollm_tokenizer
@@ -42,6 +43,7 @@ RUNS = {
     "graphs+overlap": {},
     "eager": {"disable_cuda_graph": True},
     "no-overlap": {"disable_overlap_schedule": True},
+    "nccl-all-reduce": {"disable_custom_all_reduce": True},
 }
 
 
@@ -123,6 +125,7 @@ def test_bf16_logits_within_one_gpus_rounding(ckpt, ids, one_gpu, tp):
     e = _engine(ckpt, tp, "bfloat16")
     try:
         assert e.runner.tp.size == tp and e.runner.uses_cuda_graphs
+        assert (e.runner.tp.fast is not None) == (tp in MAX_BYTES)  # the one-shot all-reduce, on one host
         got = _logits(e, ids)
     finally:
         e.shutdown()
@@ -140,6 +143,7 @@ def test_fp32_greedy_identical_to_one_gpu_with_graphs_eager_and_overlap(ckpt, pr
         try:
             assert (e.runner.graphs is not None) == (name != "eager")
             assert e.scheduler.overlap == (name != "no-overlap")
+            assert (e.runner.tp.fast is None) == (name == "nccl-all-reduce" or tp not in MAX_BYTES)
             got = _greedy(e, prompts)
         finally:
             e.shutdown()
@@ -148,13 +152,22 @@ def test_fp32_greedy_identical_to_one_gpu_with_graphs_eager_and_overlap(ckpt, pr
 
 @pytest.mark.skipif(GPUS and fp8_supported(torch.device("cuda")) is not None, reason="needs FP8 tensor cores")
 def test_fp8_at_tp2_within_e4m3_error(ckpt, ids, one_gpu):
+    """tp 2 in fp8 errs about as much as one GPU in fp8: the same weights' quantization, while each rank's
+    activations (row-parallel inputs) get their own per-token scales."""
+    one = _engine(ckpt, 1, "bfloat16", quantization="fp8", fp8_lm_head=True)
+    try:
+        ref8 = _logits(one, ids)
+    finally:
+        one.shutdown()
     e = _engine(ckpt, 2, "bfloat16", quantization="fp8", fp8_lm_head=True)
     try:
         got = _logits(e, ids)
         out = e.generate(input_ids=ids[:20], sampling_params={**GREEDY, "max_new_tokens": 16})
     finally:
         e.shutdown()
-    assert 0.005 < _rel(got, one_gpu["float32"]) < 0.08
+    err1 = _rel(ref8, one_gpu["float32"])
+    assert 0.005 < err1 < 0.12  # e4m3 moved the logits, within its rounding (as tests/gpu/test_fp8_cuda.py)
+    assert _rel(got, one_gpu["float32"]) <= 1.25 * err1 + 0.01
     assert len(out["output_ids"]) == 16
 
 
