@@ -48,11 +48,6 @@ class ServerArgs:
     # Tensor parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks: one process per GPU (or N CPU processes with gloo)")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
-    disable_custom_all_reduce: bool = _opt(
-        False,
-        "GPUs of one host: NCCL for every all-reduce (default: a one-shot all-reduce over symmetric memory "
-        "for decode-sized tensors)",
-    )
     dist_timeout: float = _opt(60.0, "seconds the ranks may take to meet before start-up fails with a message")
     tp_check_batches: bool = _opt(
         False, "debug: every rank hashes the batch it is about to run; a difference stops the server with an error"

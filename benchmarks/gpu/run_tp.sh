@@ -140,12 +140,7 @@ if stage profile70; then
       --load-format dummy --tokenizer-path "$TOK" --attention-backend triton --quantization fp8 --fp8-lm-head \
       --batch-sizes 1 64 --context 1500 --extend-cuda-graph off --tp-size "$tp" --profile "$DEST/profile70_tp$tp.txt" \
       --out "$DEST/profile70_tp$tp.json" 2>&1 | grep -v -i warn | grep -v "skinny matmul:" | tail -4
-    grep -A14 "^timeline" "$DEST/profile70_tp$tp.txt" | head -15
-    # the same step with NCCL for every all-reduce (the one-shot all-reduce's share)
-    timeout "$(cap 240)" python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-70b \
-      --load-format dummy --tokenizer-path "$TOK" --attention-backend triton --quantization fp8 --fp8-lm-head \
-      --batch-sizes 1 64 --context 1500 --extend-cuda-graph off --tp-size "$tp" --disable-custom-all-reduce \
-      --out "$DEST/profile70_nccl_tp$tp.json" 2>&1 | grep -v -i warn | grep -v "skinny matmul:" | tail -3
+    grep -A14 "^timeline" "$DEST/profile70_tp$tp.txt"
   done
 fi
 if stage prefix; then

@@ -23,14 +23,10 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: object | None = None  # a torch.distributed ProcessGroup when size > 1
-    # GPUs of one host: the one-shot all-reduce over symmetric memory for small tensors (symm_all_reduce.py)
-    fast: object | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (x itself when size is 1)."""
         if self.size > 1:
-            if self.fast is not None and self.fast.takes(x):
-                return self.fast(x)
             import torch.distributed as dist
 
             dist.all_reduce(x, group=self.group)

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 import radixlm
-from radixlm.srt.distributed.symm_all_reduce import MAX_BYTES
 from radixlm.srt.layers.quantization.fp8 import fp8_supported
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
 from tests.helpers import ServerProcess, make_tiny_checkpoint, pid_alive, smollm_tokenizer
@@ -43,7 +42,6 @@ RUNS = {
     "graphs+overlap": {},
     "eager": {"disable_cuda_graph": True},
     "no-overlap": {"disable_overlap_schedule": True},
-    "nccl-all-reduce": {"disable_custom_all_reduce": True},
 }
 
 
@@ -125,7 +123,6 @@ def test_bf16_logits_within_one_gpus_rounding(ckpt, ids, one_gpu, tp):
     e = _engine(ckpt, tp, "bfloat16")
     try:
         assert e.runner.tp.size == tp and e.runner.uses_cuda_graphs
-        assert (e.runner.tp.fast is not None) == (tp in MAX_BYTES)  # the one-shot all-reduce, on one host
         got = _logits(e, ids)
     finally:
         e.shutdown()
@@ -143,7 +140,6 @@ def test_fp32_greedy_identical_to_one_gpu_with_graphs_eager_and_overlap(ckpt, pr
         try:
             assert (e.runner.graphs is not None) == (name != "eager")
             assert e.scheduler.overlap == (name != "no-overlap")
-            assert (e.runner.tp.fast is None) == (name == "nccl-all-reduce" or tp not in MAX_BYTES)
             got = _greedy(e, prompts)
         finally:
             e.shutdown()
