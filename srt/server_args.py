@@ -149,9 +149,8 @@ class ServerArgs:
     speculative_ngram_max: int = _opt(4, "longest n-gram looked up (the longest match wins)")
     speculative_max_batch_size: int | None = _opt(
         None,
-        "draft only while at most this many requests decode; larger batches decode plainly, where verifying "
-        "drafts costs more than it saves (default: 1 on a CPU, where each extra row of a step costs compute; 16 on a "
-        "GPU)",
+        "draft only while at most this many requests decode (default: measured; nobody drafts at batch sizes "
+        "where verify steps delivered fewer tokens per second than decode steps, re-probed now and then)",
     )
     grammar_backend: str = _opt(
         "auto",

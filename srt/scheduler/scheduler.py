@@ -38,6 +38,7 @@ from radixlm.srt.scheduler.prefill import Admission, PrefillBudget
 from radixlm.srt.scheduler.req import Req
 from radixlm.srt.scheduler.stats import SchedulerStats, StepInfo
 from radixlm.srt.speculative.drafter import Drafter, SpecConfig
+from radixlm.srt.speculative.gate import SpecGate
 from radixlm.srt.utils import freeze_startup_objects, to_device
 
 if TYPE_CHECKING:
@@ -98,6 +99,8 @@ class Scheduler:
         )
         spec = SpecConfig.from_args(args, runner.device.type)
         self.drafter = Drafter(spec, self.tree_cache, self.context_length) if spec is not None else None
+        # measured: nobody drafts at batch sizes where verify steps delivered fewer tokens/s than decode steps
+        self.spec_gate = SpecGate() if spec is not None and spec.measured else None
         self._spec_pause = 0  # overlap steps left before drafts are looked for again (_no_drafts)
         self._spec_idle = 0  # the last pause's length
         self.outputs = OutputProcessor(tokenizer, self.context_length, self.grammar, self.kv, self.stats, self.drafter)
@@ -145,14 +148,33 @@ class Scheduler:
 
     def step(self) -> list[TokenOutput]:
         t0 = time.perf_counter()
+        st = self.stats
+        before = (st.extend_steps, st.decode_steps, st.spec_verify_steps, st.spec_in_order_steps, st.generated_tokens)
         if self.grammar.queue:
             self._poll_grammars()
         outputs, self._outputs = self._outputs, []
         outputs += self._step_overlap() if self.overlap else self._step_plain()
         outputs += self._outputs  # requests failed by a batch that ran out of memory
         self._outputs = []
-        self.stats.busy_seconds += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        st.busy_seconds += elapsed
+        if self.spec_gate is not None:
+            self._observe_step(before, elapsed)
         return outputs
+
+    def _observe_step(self, before: tuple[int, ...], elapsed: float) -> None:
+        """What this iteration's step was, for the speculative gate: a decode step (overlapped, or any decode
+        step of the plain loop), a verify step, or neither (an extend; an in-order decode under overlap)."""
+        st = self.stats
+        extend, decode, verify, in_order, tokens = before
+        kind = None
+        if st.extend_steps == extend:
+            if st.spec_verify_steps != verify:
+                kind = "verify"
+            elif st.decode_steps != decode and (not self.overlap or st.spec_in_order_steps == in_order):
+                kind = "decode"
+        self.spec_gate.observe(kind, self.last_step.batch_size, st.generated_tokens - tokens, elapsed)
+        st.spec_gate_closures = self.spec_gate.closures
 
     def _step_plain(self) -> list[TokenOutput]:
         batch = self._launch_forward(self._schedule(verify=True))
@@ -201,9 +223,10 @@ class Scheduler:
             self._spec_pause = self._spec_idle
 
     def _speculating(self) -> bool:
-        return self.drafter is not None and self.drafter.active(
-            sum(r.decodable(self.context_length) for r in self.running)
-        )
+        if self.drafter is None:
+            return False
+        n = sum(r.decodable(self.context_length) for r in self.running)
+        return self.drafter.active(n) and (self.spec_gate is None or self.spec_gate.allows(n))
 
     def _poll_grammars(self) -> None:
         ready, failed = self.grammar.poll()

@@ -18,8 +18,9 @@ What keeps it safe and cheap:
   and one whose last draft was mostly rejected (under half of it kept) waits 1, 2, 4 ... (at most 16) steps
   before drafting again, so free-form text with spurious n-gram matches costs little.
 - With several requests decoding on a CPU, a request drafts only while most of its drafts hold (`shared_floor`):
-  past one row every extra row of a step costs compute there. Above `max_batch_size` decoding requests nobody
-  drafts: a large batch is compute-bound on any device and a draft token costs almost what a request's step does.
+  past one row every extra row of a step costs compute there.
+- Nobody drafts at a batch size where verify steps measured fewer tokens per second than decode steps (gate.py),
+  or, when the operator sets `--speculative-max-batch-size`, above that many decoding requests.
 """
 
 from __future__ import annotations
@@ -41,17 +42,18 @@ class SpecConfig:
     # every extra row of a step costs compute (a CPU past one row), a half-right draft is a loss.
     shared_floor: float = 0.0
 
+    # No fixed batch-size limit: the scheduler's SpecGate measures where drafting stops paying (gate.py).
+    measured: bool = False
+
     @classmethod
     def from_args(cls, args, device_type: str) -> SpecConfig | None:
         if args.speculative_algorithm is None:
             return None
         bs = args.speculative_max_batch_size
-        if bs is None:
-            # CPU: past one request every draft row costs compute, and free text lost 2-25% at 4 and 8
-            # requests in bench_speculative (copying gained 11-35%); GPU: a first guess, not yet measured.
-            bs = 1 if device_type == "cpu" else 16
         floor = 0.7 if device_type == "cpu" else 0.0
-        return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max, bs, floor)
+        cfg = cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max,
+                  bs if bs is not None else 1 << 30, floor, measured=bs is None)  # fmt: skip
+        return cfg
 
 
 class Drafter:

@@ -59,7 +59,7 @@ def engines():
             overlap = mode == "overlap"
             made[mode] = e = _engine(
                 speculative_algorithm="ngram",
-                speculative_max_batch_size=8,  # the batches below draft (a CPU's default drafts at batch 1 only)
+                speculative_max_batch_size=8,  # the batches below draft whatever they cost (the default measures)
                 force_overlap_schedule=overlap,
                 disable_overlap_schedule=not overlap,
             )
@@ -370,3 +370,73 @@ def test_server_streams_whole_answers_with_drafts_under_overlap():
         assert accepted and float(accepted[0].split()[-1]) > 0
     finally:
         assert srv.stop() == 0
+
+
+# --- the gate: drafting only where it measured faster ----------------------------------------------------------
+def _steps(gate, kind, n, rate, count):
+    for _ in range(count):
+        gate.observe(kind, n, n, n / rate)  # n tokens at `rate` tokens/s
+
+
+def test_gate_closes_a_batch_size_where_verify_steps_lose_and_probes_it_again():
+    from radixlm.srt.speculative import gate as g
+
+    gate = g.SpecGate()
+    _steps(gate, "decode", 8, 1000.0, 1 + g.PLAIN_SAMPLES)  # the first step after a switch is not counted
+    assert gate.allows(8) and gate.closures == 0
+    _steps(gate, "verify", 8, 600.0, 1 + g.PROBE_SAMPLES)  # verify steps deliver fewer tokens/s: closed
+    assert not gate.allows(8) and not gate.allows(12) and gate.closures == 1
+    assert gate.allows(1) and gate.allows(4) and gate.allows(16)  # other batch sizes keep their own record
+    pauses = []
+    for _ in range(7):
+        start = gate.step
+        while not gate.allows(8):
+            _steps(gate, "decode", 8, 1000.0, 1)
+        pauses.append(gate.step - start)
+        _steps(gate, "verify", 8, 600.0, 1 + g.PROBE_SAMPLES)  # the probe loses again
+    assert pauses == [g.FIRST_PAUSE, 64, 128, 256, 512, g.MAX_PAUSE, g.MAX_PAUSE], pauses
+    assert gate.closures == 8
+    # The text turned copyable: the next probe wins, and the bucket stays open.
+    while not gate.allows(8):
+        _steps(gate, "decode", 8, 1000.0, 1)
+    _steps(gate, "verify", 8, 2500.0, 1 + g.PROBE_SAMPLES)
+    assert gate.allows(8) and gate.closures == 8
+
+
+def test_gate_counts_only_steady_steps_and_remeasures_decoding_while_drafting_wins():
+    from radixlm.srt.speculative import gate as g
+
+    gate = g.SpecGate()
+    for _ in range(20):  # every step a switch: no sample counts, nothing closes
+        gate.observe("decode", 4, 4, 4 / 1000.0)
+        gate.observe("verify", 4, 4, 4 / 100.0)
+        gate.observe(None, 4, 0, 0.01)
+    assert not gate.decode and not gate.verify and gate.allows(4)
+    # Verify steps with nothing to compare against: a few plain steps are taken to measure decoding.
+    _steps(gate, "verify", 4, 3000.0, 1 + 2 * g.PROBE_SAMPLES)
+    assert not gate.allows(4) and gate.closures == 0
+    while not gate.allows(4):
+        _steps(gate, "decode", 4, 1000.0, 1)
+    assert gate.decode[gate.bucket(4)].samples >= g.PLAIN_SAMPLES
+    # Drafting wins and keeps the bucket open, until its decode rate is due for a fresh measurement.
+    opened = gate.step
+    while gate.allows(4):
+        _steps(gate, "verify", 4, 3000.0, 1)
+    assert g.REFRESH_EVERY <= gate.step - opened <= g.REFRESH_EVERY + 2 * g.PLAIN_SAMPLES + 2
+    assert gate.closures == 0 and gate.bucket(4) not in gate.decode  # the old rate is dropped, not trusted
+
+
+def test_the_default_measures_and_answers_as_plain_decoding(ref):
+    """No --speculative-max-batch-size: the gate decides per batch size; what it decides never changes answers."""
+    params = {"max_new_tokens": 40, "temperature": 0}
+    e = _engine(speculative_algorithm="ngram", force_overlap_schedule=True)
+    try:
+        s = e.scheduler
+        assert s.spec_gate is not None and s.drafter.cfg.measured
+        got = _texts(e, COPY_HEAVY[:1], params) + _texts(e, FREE_FORM, params)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref(COPY_HEAVY[:1] + FREE_FORM, params)]
+        assert s.spec_gate.step >= 40 and s.stats.spec_verify_steps >= 1  # it looked, and drafted at batch 1
+        assert s.stats.spec_gate_closures == s.spec_gate.closures
+        assert_engine_idle(e)
+    finally:
+        e.shutdown()
