@@ -149,7 +149,10 @@ class Scheduler:
     def step(self) -> list[TokenOutput]:
         t0 = time.perf_counter()
         st = self.stats
-        before = (st.extend_steps, st.decode_steps, st.spec_verify_steps, st.spec_in_order_steps, st.generated_tokens)
+        gate = None
+        if self.spec_gate is not None:  # the gate's view of this step: its batch size and whether drafting may run
+            n = sum(r.decodable(self.context_length) for r in self.running)
+            gate = (n, self.spec_gate.allows(n), st.extend_steps, st.generated_tokens)
         if self.grammar.queue:
             self._poll_grammars()
         outputs, self._outputs = self._outputs, []
@@ -158,23 +161,13 @@ class Scheduler:
         self._outputs = []
         elapsed = time.perf_counter() - t0
         st.busy_seconds += elapsed
-        if self.spec_gate is not None:
-            self._observe_step(before, elapsed)
+        if gate is not None:
+            n, is_open, extends, tokens = gate
+            self.spec_gate.observe(
+                None if st.extend_steps != extends or n == 0 else is_open, n, st.generated_tokens - tokens, elapsed
+            )
+            st.spec_gate_closures = self.spec_gate.closures
         return outputs
-
-    def _observe_step(self, before: tuple[int, ...], elapsed: float) -> None:
-        """What this iteration's step was, for the speculative gate: a decode step (overlapped, or any decode
-        step of the plain loop), a verify step, or neither (an extend; an in-order decode under overlap)."""
-        st = self.stats
-        extend, decode, verify, in_order, tokens = before
-        kind = None
-        if st.extend_steps == extend:
-            if st.spec_verify_steps != verify:
-                kind = "verify"
-            elif st.decode_steps != decode and (not self.overlap or st.spec_in_order_steps == in_order):
-                kind = "decode"
-        self.spec_gate.observe(kind, self.last_step.batch_size, st.generated_tokens - tokens, elapsed)
-        st.spec_gate_closures = self.spec_gate.closures
 
     def _step_plain(self) -> list[TokenOutput]:
         batch = self._launch_forward(self._schedule(verify=True))

@@ -373,33 +373,39 @@ def test_server_streams_whole_answers_with_drafts_under_overlap():
 
 
 # --- the gate: drafting only where it measured faster ----------------------------------------------------------
-def _steps(gate, kind, n, rate, count):
+def _steps(gate, n, plain, spec, count):
+    """`count` steps of n requests at `plain` tokens/s while the gate is closed, `spec` while it is open."""
     for _ in range(count):
-        gate.observe(kind, n, n, n / rate)  # n tokens at `rate` tokens/s
+        is_open = gate.allows(n)
+        gate.observe(is_open, n, n, n / (spec if is_open else plain))
 
 
-def test_gate_closes_a_batch_size_where_verify_steps_lose_and_probes_it_again():
+def _until_open(gate, n, plain):
+    start = gate.step
+    while not gate.allows(n):
+        _steps(gate, n, plain, 0.0, 1)
+    return gate.step - start
+
+
+def test_gate_closes_a_batch_size_where_drafting_loses_and_probes_it_again():
     from radixlm.srt.speculative import gate as g
 
     gate = g.SpecGate()
-    _steps(gate, "decode", 8, 1000.0, 1 + g.PLAIN_SAMPLES)  # the first step after a switch is not counted
-    assert gate.allows(8) and gate.closures == 0
-    _steps(gate, "verify", 8, 600.0, 1 + g.PROBE_SAMPLES)  # verify steps deliver fewer tokens/s: closed
+    _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # open at first; no decoding figure yet: it measures one
+    assert not gate.allows(8) and gate.closures == 0
+    assert _until_open(gate, 8, 1000.0) == g.MEASURE_STEPS and gate.plain_rate(gate.bucket(8)) == pytest.approx(1000.0)
+    _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # drafting delivered fewer tokens/s: closed
     assert not gate.allows(8) and not gate.allows(12) and gate.closures == 1
     assert gate.allows(1) and gate.allows(4) and gate.allows(16)  # other batch sizes keep their own record
     pauses = []
     for _ in range(7):
-        start = gate.step
-        while not gate.allows(8):
-            _steps(gate, "decode", 8, 1000.0, 1)
-        pauses.append(gate.step - start)
-        _steps(gate, "verify", 8, 600.0, 1 + g.PROBE_SAMPLES)  # the probe loses again
+        pauses.append(_until_open(gate, 8, 1000.0))
+        _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # the probe loses again
     assert pauses == [g.FIRST_PAUSE, 64, 128, 256, 512, g.MAX_PAUSE, g.MAX_PAUSE], pauses
     assert gate.closures == 8
     # The text turned copyable: the next probe wins, and the bucket stays open.
-    while not gate.allows(8):
-        _steps(gate, "decode", 8, 1000.0, 1)
-    _steps(gate, "verify", 8, 2500.0, 1 + g.PROBE_SAMPLES)
+    _until_open(gate, 8, 1000.0)
+    _steps(gate, 8, 1000.0, 2500.0, 1 + 3 * g.JUDGE_STEPS)
     assert gate.allows(8) and gate.closures == 8
 
 
@@ -407,23 +413,19 @@ def test_gate_counts_only_steady_steps_and_remeasures_decoding_while_drafting_wi
     from radixlm.srt.speculative import gate as g
 
     gate = g.SpecGate()
-    for _ in range(20):  # every step a switch: no sample counts, nothing closes
-        gate.observe("decode", 4, 4, 4 / 1000.0)
-        gate.observe("verify", 4, 4, 4 / 100.0)
-        gate.observe(None, 4, 0, 0.01)
-    assert not gate.decode and not gate.verify and gate.allows(4)
-    # Verify steps with nothing to compare against: a few plain steps are taken to measure decoding.
-    _steps(gate, "verify", 4, 3000.0, 1 + 2 * g.PROBE_SAMPLES)
-    assert not gate.allows(4) and gate.closures == 0
-    while not gate.allows(4):
-        _steps(gate, "decode", 4, 1000.0, 1)
-    assert gate.decode[gate.bucket(4)].samples >= g.PLAIN_SAMPLES
-    # Drafting wins and keeps the bucket open, until its decode rate is due for a fresh measurement.
+    for _ in range(40):  # every step a switch of batch size or an extend: nothing counts, nothing closes
+        gate.observe(True, 4, 4, 4 / 100.0)
+        gate.observe(True, 8, 8, 8 / 100.0)
+        gate.observe(None, 8, 0, 0.01)
+    assert not any(s.steps for s in gate.opened.values()) and gate.allows(4) and gate.allows(8)
+    _steps(gate, 4, 1000.0, 3000.0, 1 + g.JUDGE_STEPS)
+    _until_open(gate, 4, 1000.0)
+    # Drafting wins and keeps the bucket open, until its decoding figure is due to be measured afresh.
     opened = gate.step
     while gate.allows(4):
-        _steps(gate, "verify", 4, 3000.0, 1)
-    assert g.REFRESH_EVERY <= gate.step - opened <= g.REFRESH_EVERY + 2 * g.PLAIN_SAMPLES + 2
-    assert gate.closures == 0 and gate.bucket(4) not in gate.decode  # the old rate is dropped, not trusted
+        _steps(gate, 4, 1000.0, 3000.0, 1)
+    assert g.REFRESH_EVERY - g.JUDGE_STEPS <= gate.step - opened <= g.REFRESH_EVERY + g.MEASURE_STEPS + g.JUDGE_STEPS
+    assert gate.closures == 0 and gate.plain_rate(gate.bucket(4)) is None  # the old figure is not trusted
 
 
 def test_the_default_measures_and_answers_as_plain_decoding(ref):
