@@ -132,13 +132,13 @@ class GrammarTicket:
         if started is not None:
             if now - max(started, self.created) > limit:
                 return GrammarTimeout(
-                    f"compiling the {self.spec.describe()} took longer than {limit:.0f} s "
+                    f"compiling the {self.spec.describe()} took longer than {limit:g} s "
                     "(--grammar-compile-timeout); simplify it",
                     param=self.spec.kind,
                 )
         elif now - max(self.created, self.manager.last_progress) > limit:
             return GrammarWorkersBusy(
-                f"no grammar compile worker came free in {limit:.0f} s: slow compiles hold them all; retry later",
+                f"no grammar compile worker came free in {limit:g} s: slow compiles hold them all; retry later",
                 param=self.spec.kind,
             )
         return None

@@ -390,14 +390,19 @@ def test_slow_compile_times_out_without_stalling_others(strict_engines, backend)
     sch = engine.scheduler
     assert engine.server_args.grammar_compile_timeout == COMPILE_TIMEOUT_S
     # Warm up: build the backend's vocabulary index and the JSON grammar below, so that what the normal requests
-    # compile takes milliseconds, far within the time limit.
-    warm = engine.generate(
-        ["My favourite pet is a ", "Describe a pet owner in JSON: "],
-        [
-            {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
-            {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
-        ],
-    )
+    # compile takes milliseconds, far within the time limit. On a loaded host the first compile can outlast the
+    # strict limit itself; its request then ends with the timeout while the compile goes on and is cached, so
+    # the warm-up is asked again (bounded) until it is answered.
+    for _ in range(30):
+        warm = engine.generate(
+            ["My favourite pet is a ", "Describe a pet owner in JSON: "],
+            [
+                {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
+                {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
+            ],
+        )
+        if all(w["meta_info"]["finish_reason"]["type"] != "abort" for w in warm):
+            break
     assert re.fullmatch(r"(cat|dog|bird)", warm[0]["text"])
     jsonschema.validate(json.loads(warm[1]["text"]), SMALL_SCHEMA)
     before = _grammar_stats(engine)
