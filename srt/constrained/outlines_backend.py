@@ -18,6 +18,28 @@ _JF_MAX_ALLOWED = 64  # a state allowing more tokens than this has no forced tex
 _JF_MAX_CHARS = 256
 
 
+# A whitespace pattern no schema's own text contains, handed to outlines-core's schema-to-regex translation to
+# mark where it would allow optional whitespace; json_regex then writes JSON the way the other backends do.
+_MARK = "[\u2063]?"
+
+
+def json_regex(schema_text: str) -> str:
+    """The JSON schema's regex with compact separators and one space after `:` and `,` (`{"a": 1, "b": [1, 2]}`),
+    the text the llguidance and xgrammar backends allow, instead of outlines-core's optional space around every
+    separator: the same request answers the same whatever backend compiles it, and a small model does not spend
+    tokens on spaces. A schema whose own text contains the marker keeps outlines-core's whitespace."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if "\u2063" in schema_text:
+        return build_regex_from_schema(schema_text)
+    regex = build_regex_from_schema(schema_text, _MARK)
+    regex = regex.replace(f"{_MARK}:{_MARK}", ": ").replace(f"{_MARK},", ",")
+    # One space after each comma: right after it, or past the group an optional property opens or closes there
+    # (`,("zip": ...,)? "country"`), so that the text reads `, ` whether the optional property is there or not.
+    regex = re.sub(r",(\(|\)\?)?" + re.escape(_MARK), lambda m: "," + (m.group(1) or "") + " ", regex)
+    return regex.replace(_MARK, "")
+
+
 def choices_regex(choices: list[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 
@@ -134,7 +156,6 @@ class OutlinesBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         from outlines_core import Index
-        from outlines_core.json_schema import build_regex_from_schema
 
         if spec.kind == "ebnf":
             raise GrammarError(
@@ -147,17 +168,17 @@ class OutlinesBackend(GrammarBackend):
         elif spec.kind == "choices":
             regex = choices_regex(json.loads(spec.spec))
         elif spec.kind == "json_object":
-            regex = build_regex_from_schema(json.dumps({"type": "object"}))
+            regex = json_regex(json.dumps({"type": "object"}))
         elif spec.kind == "tool_call":
             from radixlm.srt.constrained.tool_grammar import parse_spec, tool_call_regex
 
             try:
-                regex = tool_call_regex(spec.spec, build_regex_from_schema(json.dumps(parse_spec(spec.spec)[1])))
+                regex = tool_call_regex(spec.spec, json_regex(json.dumps(parse_spec(spec.spec)[1])))
             except Exception as e:
                 raise GrammarError(f"the tools' parameter schemas cannot be compiled: {e}", param="tools") from None
         else:
             try:
-                regex = build_regex_from_schema(spec.spec)
+                regex = json_regex(spec.spec)
             except Exception as e:  # its errors are ValueErrors and Rust panics alike
                 raise GrammarError(f"the JSON schema cannot be compiled: {e}", param="json_schema") from None
         vocabulary = self.json_vocabulary if spec.kind in ("json_schema", "json_object") else self.vocabulary

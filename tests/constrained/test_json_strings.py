@@ -64,3 +64,32 @@ def test_no_backend_allows_raw_control_characters_in_strings(vocab, name):
         if bad:
             leaks[kind] = sorted(tok.decode([t]) for t in list(bad)[:5])
     assert not leaks, f"{name} allows raw control characters inside JSON strings: {leaks}"
+
+
+def test_outlines_writes_json_as_the_other_backends_do():
+    """outlines-core allows an optional space around every separator; our outlines backend holds it to the
+    separators llguidance and xgrammar write (`{"a": 1, "b": [1, 2]}`), so a request answers alike on every
+    backend."""
+    import re
+
+    from radixlm.srt.constrained.outlines_backend import json_regex
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["a", "b"],
+    }
+    regex = re.compile(json_regex(json.dumps(schema)))
+    assert regex.fullmatch('{"a": 1, "b": [1, 2]}') and regex.fullmatch('{"a": -3, "b": []}')
+    spaced = ['{ "a": 1, "b": [1, 2]}', '{"a" : 1, "b": [1, 2]}', '{"a":1, "b": [1, 2]}', '{"a": 1 , "b": []}']
+    spaced += ['{"a": 1,"b": []}', '{"a": 1, "b": [1,2]}', '{"a": 1, "b": [ 1, 2 ]}', '{"a": 1, "b": []} ']
+    for text in spaced:
+        assert not regex.fullmatch(text), text
+    optional = {"type": "object", "properties": {"a": {"type": "integer"}, "z": {"type": "integer"}}, "required": ["z"]}
+    optional["properties"] = {"x": {"type": "integer"}, **optional["properties"]}
+    optional["required"] = ["x", "z"]
+    opt = re.compile(json_regex(json.dumps(optional)))  # "a" optional, between two required properties
+    assert opt.fullmatch('{"x": 1, "a": 2, "z": 3}') and opt.fullmatch('{"x": 1, "z": 3}')
+    assert not opt.fullmatch('{"x": 1,"z": 3}') and not opt.fullmatch('{"x": 1, "a": 2,"z": 3}')
+    free = re.compile(json_regex(json.dumps({"type": "object", "additionalProperties": {"type": "integer"}})))
+    assert free.fullmatch('{"x": 1, "y": 2}') and not free.fullmatch('{"x":1,"y":2}')
