@@ -150,7 +150,7 @@ class ServerArgs:
     speculative_max_batch_size: int | None = _opt(
         None,
         "draft only while at most this many requests decode (default: measured; nobody drafts at batch sizes "
-        "where verify steps delivered fewer tokens per second than decode steps, re-probed now and then)",
+        "where steps with drafting delivered fewer tokens per second than steps without, re-probed now and then)",
     )
     grammar_backend: str = _opt(
         "auto",

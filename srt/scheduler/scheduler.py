@@ -99,7 +99,7 @@ class Scheduler:
         )
         spec = SpecConfig.from_args(args, runner.device.type)
         self.drafter = Drafter(spec, self.tree_cache, self.context_length) if spec is not None else None
-        # measured: nobody drafts at batch sizes where verify steps delivered fewer tokens/s than decode steps
+        # measured: nobody drafts at batch sizes where steps with drafting delivered fewer tokens/s than without
         self.spec_gate = SpecGate() if spec is not None and spec.measured else None
         self._spec_pause = 0  # overlap steps left before drafts are looked for again (_no_drafts)
         self._spec_idle = 0  # the last pause's length
@@ -151,7 +151,7 @@ class Scheduler:
         st = self.stats
         gate = None
         if self.spec_gate is not None:  # the gate's view of this step: its batch size and whether drafting may run
-            n = sum(r.decodable(self.context_length) for r in self.running)
+            n = self._decoding()
             gate = (n, self.spec_gate.allows(n), st.extend_steps, st.generated_tokens)
         if self.grammar.queue:
             self._poll_grammars()
@@ -182,7 +182,7 @@ class Scheduler:
             self.stats.spec_in_order_steps += 1
             # Drafts are looked up on the host from every token so far, so a speculative step cannot be scheduled
             # while the previous one is still on the device: these steps run in order (as SGLang does with its
-            # n-gram drafts). Large batches, which overlap helps most, do not draft (SpecConfig.max_batch_size).
+            # n-gram drafts). Large batches, which overlap helps most, draft only where it measured faster (SpecGate).
             outputs = []
             if self.inflight is not None:
                 outputs = self._apply(self.outputs.process(self.inflight))
@@ -218,8 +218,11 @@ class Scheduler:
     def _speculating(self) -> bool:
         if self.drafter is None:
             return False
-        n = sum(r.decodable(self.context_length) for r in self.running)
+        n = self._decoding()
         return self.drafter.active(n) and (self.spec_gate is None or self.spec_gate.allows(n))
+
+    def _decoding(self) -> int:
+        return sum(r.decodable(self.context_length) for r in self.running)
 
     def _poll_grammars(self) -> None:
         ready, failed = self.grammar.poll()

@@ -19,8 +19,8 @@ What keeps it safe and cheap:
   before drafting again, so free-form text with spurious n-gram matches costs little.
 - With several requests decoding on a CPU, a request drafts only while most of its drafts hold (`shared_floor`):
   past one row every extra row of a step costs compute there.
-- Nobody drafts at a batch size where verify steps measured fewer tokens per second than decode steps (gate.py),
-  or, when the operator sets `--speculative-max-batch-size`, above that many decoding requests.
+- Nobody drafts at a batch size where steps with drafting measured fewer tokens per second than steps without
+  (gate.py), or, when the operator sets `--speculative-max-batch-size`, above that many decoding requests.
 """
 
 from __future__ import annotations
@@ -37,23 +37,22 @@ class SpecConfig:
     num_draft_tokens: int
     ngram_min: int
     ngram_max: int
-    max_batch_size: int
+    max_batch_size: int | None  # None: no fixed limit, the scheduler's SpecGate measures where drafting pays
     # With more than one request decoding, a request drafts only while this share of its drafts holds: where
     # every extra row of a step costs compute (a CPU past one row), a half-right draft is a loss.
     shared_floor: float = 0.0
 
-    # No fixed batch-size limit: the scheduler's SpecGate measures where drafting stops paying (gate.py).
-    measured: bool = False
+    @property
+    def measured(self) -> bool:
+        return self.max_batch_size is None
 
     @classmethod
     def from_args(cls, args, device_type: str) -> SpecConfig | None:
         if args.speculative_algorithm is None:
             return None
-        bs = args.speculative_max_batch_size
         floor = 0.7 if device_type == "cpu" else 0.0
-        cfg = cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max,
-                  bs if bs is not None else 1 << 30, floor, measured=bs is None)  # fmt: skip
-        return cfg
+        return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max,
+                   args.speculative_max_batch_size, floor)  # fmt: skip
 
 
 class Drafter:
@@ -63,7 +62,7 @@ class Drafter:
         self.context_length = context_length
 
     def active(self, decoding: int) -> bool:
-        return 0 < decoding <= self.cfg.max_batch_size
+        return 0 < decoding and (self.cfg.max_batch_size is None or decoding <= self.cfg.max_batch_size)
 
     def propose(self, reqs: list, room: int) -> list[list[int]]:
         """One draft per request (possibly empty), at most `room` draft tokens in all (KV slots beyond the one
