@@ -118,6 +118,12 @@ class _GrammarCollector:
             g.get("cache_hits", 0),
         )
         yield family(
+            CounterMetricFamily,
+            "radixlm_grammar_promotions",
+            "Grammars whose later requests moved to a backend with cheaper masks (--grammar-backend auto)",
+            g.get("promotions", 0),
+        )
+        yield family(
             CounterMetricFamily, "radixlm_grammar_failures", "Grammar compilations that failed", g.get("failures", 0)
         )
         yield family(

@@ -158,6 +158,12 @@ class ServerArgs:
         "llguidance, xgrammar, outlines that enforces every keyword of its grammar",
         ("auto", "llguidance", "xgrammar", "outlines", "none"),
     )
+    disable_grammar_promotion: bool = _opt(
+        False,
+        "with --grammar-backend auto, keep a JSON schema asked for again on llguidance instead of moving its later "
+        "requests to outlines once outlines has built its index in the background (cheaper masks per step; same "
+        "language, though greedy answers may pick other tokens)",
+    )
     grammar_compile_timeout: float = _opt(
         30.0,
         "seconds a grammar may take to compile, from when a worker starts "

@@ -72,6 +72,11 @@ class GrammarBackend(ABC):
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile or raise GrammarError naming what is wrong; may take long: runs in a worker thread."""
 
+    def promotion(self, spec: GrammarSpec) -> "GrammarBackend | None":
+        """Where later requests for a spec seen before may move once it has compiled there (a backend with cheaper
+        masks per step and the same language); None to stay."""
+        return None
+
 
 def popcount_row(bitmask: torch.Tensor, row: int) -> int:
     words = bitmask[row].to(torch.int64) & 0xFFFFFFFF

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +27,11 @@ from radixlm.srt.errors import GrammarError, GrammarTimeout, GrammarWorkersBusy
 logger = logging.getLogger(__name__)
 
 _CACHE_ENTRIES = 512
+# A promoted compile's regex limits: outlines-core's index grows with bounded repetitions ({0,4096}) and with
+# the regex; past these a build can take minutes and gigabytes, more than cheaper masks repay
+_PROMOTE_MAX_REGEX = 16_384
+_PROMOTE_MAX_REPEAT = 256
+_BOUNDS = re.compile(r"\{(?:\d+,)?(\d+)\}")
 DEMOTE_AFTER_S = 2.0
 _LOWEST_PRIORITY = 19
 
@@ -72,6 +78,28 @@ class AutoBackend(GrammarBackend):
 
         return self.backend(check_supported(spec, "auto")).compile(spec)
 
+    def promotion(self, spec: GrammarSpec) -> GrammarBackend | None:
+        """A JSON schema that llguidance and outlines both enforce moves to outlines once its index is built:
+        llguidance compiles in a millisecond, which is why new schemas start there, but fills a mask row inside a
+        length-bounded string in 0.2-1 ms against outlines' precomputed rows in microseconds. The two backends
+        accept the same answers (their scalars are aligned: tests/constrained/test_backend_language.py), though
+        a greedy answer's tokens may differ (llguidance allows only the canonical tokens of text the grammar
+        forces). Not for schemas whose regex could make a large index (long bounded repetitions, long regexes)."""
+        from radixlm.srt.constrained.outlines_backend import regex_for
+        from radixlm.srt.constrained.spec import check_supported, enforces
+
+        if spec.kind != "json_schema" or check_supported(spec, "auto") != "llguidance":
+            return None
+        if not enforces(spec, "outlines"):
+            return None
+        try:
+            regex = regex_for(spec)
+        except GrammarError:
+            return None
+        if len(regex) > _PROMOTE_MAX_REGEX or any(int(n) > _PROMOTE_MAX_REPEAT for n in _BOUNDS.findall(regex)):
+            return None
+        return self.backend("outlines")
+
 
 COMPILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
@@ -93,10 +121,15 @@ def _cpu_seconds(clock: int | None) -> float:
         return 0.0
 
 
+def _succeeded(fut: Future) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is None
+
+
 @dataclass
 class GrammarStats:
     compiles: int = 0
     cache_hits: int = 0
+    promotions: int = 0  # specs whose later requests moved to a backend with cheaper masks (AutoBackend.promotion)
     failures: int = 0
     timeouts: int = 0
     # A histogram of compile times kept as counts per bucket (Prometheus reads it from the scheduler's stats)
@@ -145,9 +178,15 @@ class GrammarTicket:
 
 
 class GrammarManager:
-    def __init__(self, backend: GrammarBackend, workers: int = 4, timeout: float = 60.0):
+    def __init__(self, backend: GrammarBackend, workers: int = 4, timeout: float = 60.0, promote: bool = True):
         self.backend = backend
         self.timeout = timeout
+        # Promotion (backend.promotion): a spec asked for again is compiled on the target backend in the
+        # background, one at a time at the lowest CPU priority; the cache then serves that grammar to new requests
+        self.promote = promote
+        self._promoting: GrammarSpec | None = None
+        self._promoted: dict[GrammarSpec, CompiledGrammar] = {}  # built, waiting for request() to swap it in
+        self._settled: set[GrammarSpec] = set()  # promoted, being promoted, or staying where they are
         self.cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self.stats = GrammarStats()
         self._slots = threading.BoundedSemaphore(workers)
@@ -164,13 +203,58 @@ class GrammarManager:
         if fut is not None:
             self.cache.move_to_end(spec)
             self.stats.cache_hits += 1
+            with self._lock:
+                ready = self._promoted.pop(spec, None)
+            if ready is not None:
+                fut = Future()
+                fut.set_result(ready)
+                self.cache[spec] = fut
+                self.stats.promotions += 1
+            elif self.promote and spec not in self._settled and self._promoting is None and _succeeded(fut):
+                self._start_promotion(spec)
         else:
+            with self._lock:  # an evicted spec compiles afresh, and may be promoted afresh
+                self._promoted.pop(spec, None)
+            self._settled.discard(spec)
             fut = Future()
             threading.Thread(target=self._run, args=(spec, fut), name="grammar", daemon=True).start()
             self.cache[spec] = fut
             while len(self.cache) > _CACHE_ENTRIES:
                 self.cache.popitem(last=False)
         return GrammarTicket(spec, fut, now, self)
+
+    def _start_promotion(self, spec: GrammarSpec) -> None:
+        self._settled.add(spec)
+        if len(self._settled) > 4 * _CACHE_ENTRIES:  # forget old verdicts rather than grow without bound
+            self._settled = {spec}
+        try:
+            target = self.backend.promotion(spec)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the spec just stays where it is
+            logger.debug("no promotion for a %s: %s", spec.describe(), e)
+            return
+        if target is None:
+            return
+        self._promoting = spec
+        threading.Thread(target=self._promote, args=(spec, target), name="grammar-promote", daemon=True).start()
+
+    def _promote(self, spec: GrammarSpec, target: GrammarBackend) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_PRIORITY)
+        except (OSError, AttributeError):
+            pass
+        start = time.perf_counter()
+        try:
+            compiled = target.compile(spec)
+        except Exception as e:  # noqa: BLE001 - it stays on the backend that compiled it first
+            logger.info("a %s stays on its first grammar backend: %s could not compile it: %s",
+                        spec.describe(), target.name, e)  # fmt: skip
+        else:
+            took = time.perf_counter() - start
+            logger.debug("a %s moves to %s (built in %.2f s)", spec.describe(), target.name, took)
+            with self._lock:
+                self._promoted[spec] = compiled
+        finally:
+            self._promoting = None
 
     def started_at(self, fut: Future) -> float | None:
         """When the compile behind `fut` started; None while it waits for a worker."""

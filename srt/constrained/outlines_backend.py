@@ -37,7 +37,25 @@ def json_regex(schema_text: str) -> str:
     # One space after each comma: right after it, or past the group an optional property opens or closes there
     # (`,("zip": ...,)? "country"`), so that the text reads `, ` whether the optional property is there or not.
     regex = re.sub(r",(\(|\)\?)?" + re.escape(_MARK), lambda m: "," + (m.group(1) or "") + " ", regex)
-    return regex.replace(_MARK, "")
+    return _llguidance_scalars(regex.replace(_MARK, ""), schema_text)
+
+
+# outlines-core's JSON strings and numbers differ from llguidance's in corners: it refuses U+0080-U+009F in a
+# string and an exponent without a sign (`1e5`), and takes the escape `\/`. These rewrite its pieces to
+# llguidance's language, so a schema enforced by both backends has one language (auto may move a repeated schema
+# from llguidance to this backend). Only where the schema's own text cannot hold the same pieces (a `pattern`).
+_SCALAR_REWRITES = (
+    (r'[^"\\\x00-\x1F\x7F-\x9F]', r'[^"\\\x00-\x1F\x7F]', "x7F"),
+    (r'\\["\\/bfnrt]', r'\\["\\bfnrt]', "bfnrt"),
+    (r"([eE][+-][0-9]+)?", r"([eE][+-]?[0-9]+)?", "eE"),
+)
+
+
+def _llguidance_scalars(regex: str, schema_text: str) -> str:
+    for old, new, guard in _SCALAR_REWRITES:
+        if guard not in schema_text:
+            regex = regex.replace(old, new)
+    return regex
 
 
 def choices_regex(choices: list[str]) -> str:
@@ -157,33 +175,37 @@ class OutlinesBackend(GrammarBackend):
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         from outlines_core import Index
 
-        if spec.kind == "ebnf":
-            raise GrammarError(
-                "EBNF grammars are not supported by the outlines grammar backend; start the "
-                "server with --grammar-backend auto",
-                param="ebnf",
-            )
-        if spec.kind == "regex":
-            regex = spec.spec
-        elif spec.kind == "choices":
-            regex = choices_regex(json.loads(spec.spec))
-        elif spec.kind == "json_object":
-            regex = json_regex(json.dumps({"type": "object"}))
-        elif spec.kind == "tool_call":
-            from radixlm.srt.constrained.tool_grammar import parse_spec, tool_call_regex
-
-            try:
-                regex = tool_call_regex(spec.spec, json_regex(json.dumps(parse_spec(spec.spec)[1])))
-            except Exception as e:
-                raise GrammarError(f"the tools' parameter schemas cannot be compiled: {e}", param="tools") from None
-        else:
-            try:
-                regex = json_regex(spec.spec)
-            except Exception as e:  # its errors are ValueErrors and Rust panics alike
-                raise GrammarError(f"the JSON schema cannot be compiled: {e}", param="json_schema") from None
+        regex = regex_for(spec)
         vocabulary = self.json_vocabulary if spec.kind in ("json_schema", "json_object") else self.vocabulary
         try:
             return OutlinesCompiled(Index(regex, vocabulary), self)
         except Exception as e:
             param = "regex" if spec.kind == "regex" else spec.kind
             raise GrammarError(f"the {spec.describe()} cannot be compiled: {e}", param=param) from None
+
+
+def regex_for(spec: GrammarSpec) -> str:
+    """The regex outlines-core indexes for `spec` (cheap next to the index itself); GrammarError if there is none."""
+    if spec.kind == "ebnf":
+        raise GrammarError(
+            "EBNF grammars are not supported by the outlines grammar backend; start the "
+            "server with --grammar-backend auto",
+            param="ebnf",
+        )
+    if spec.kind == "regex":
+        return spec.spec
+    if spec.kind == "choices":
+        return choices_regex(json.loads(spec.spec))
+    if spec.kind == "json_object":
+        return json_regex(json.dumps({"type": "object"}))
+    if spec.kind == "tool_call":
+        from radixlm.srt.constrained.tool_grammar import parse_spec, tool_call_regex
+
+        try:
+            return tool_call_regex(spec.spec, json_regex(json.dumps(parse_spec(spec.spec)[1])))
+        except Exception as e:
+            raise GrammarError(f"the tools' parameter schemas cannot be compiled: {e}", param="tools") from None
+    try:
+        return json_regex(spec.spec)
+    except Exception as e:  # its errors are ValueErrors and Rust panics alike
+        raise GrammarError(f"the JSON schema cannot be compiled: {e}", param="json_schema") from None

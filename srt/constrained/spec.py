@@ -160,6 +160,11 @@ def _refusal(spec: GrammarSpec, backend: str) -> str | None:
     return None
 
 
+def enforces(spec: GrammarSpec, backend: str) -> bool:
+    """Whether `backend` (not auto) enforces every keyword of `spec`."""
+    return _refusal(spec, backend) is None
+
+
 def check_supported(spec: GrammarSpec, backend: str) -> str:
     """The backend that will enforce `spec` (for `auto`, the first of AUTO_ORDER that can); a GrammarError (400)
     naming what is not supported when none can."""

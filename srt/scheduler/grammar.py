@@ -47,6 +47,9 @@ class _LazyBackend:
     def compile(self, spec):
         return self.get().compile(spec)
 
+    def promotion(self, spec):
+        return self.get().promotion(spec)
+
 
 @dataclass
 class GrammarStatsView:
@@ -59,6 +62,7 @@ class GrammarStatsView:
     jump_forward_events: int
     compile_seconds_sum: float = 0.0
     compile_buckets: list[int] = field(default_factory=list)  # cumulative counts, le = manager.COMPILE_BUCKETS
+    promotions: int = 0
 
 
 class SchedulerGrammar:
@@ -75,7 +79,9 @@ class SchedulerGrammar:
         self.manager = None
         if args.grammar_backend != "none":
             lazy = _LazyBackend(args.grammar_backend, tokenizer, vocab_size, stop_ids)
-            self.manager = GrammarManager(lazy, timeout=args.grammar_compile_timeout)
+            self.manager = GrammarManager(
+                lazy, timeout=args.grammar_compile_timeout, promote=not args.disable_grammar_promotion
+            )
         self.queue: list[tuple[object, GrammarTicket]] = []  # (Req, ticket)
         self._mask = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
@@ -261,6 +267,7 @@ class SchedulerGrammar:
             self.jf_events,
             s.compile_seconds_sum if s else 0.0,
             list(s.compile_buckets) if s else [],
+            s.promotions if s else 0,
         )
 
     def shutdown(self) -> None:

@@ -3,6 +3,7 @@ reports in /metrics about grammars."""
 
 import json
 import re
+import time
 
 import httpx
 
@@ -102,3 +103,29 @@ def test_grammar_metrics(server):
     assert _metric(after, "radixlm_jump_forward_tokens_total") > 0
     inf_bucket = re.search(r'^radixlm_grammar_compile_seconds_bucket{le="\+Inf"[^}]*} ([0-9.]+)$', after, re.M)
     assert inf_bucket and float(inf_bucket.group(1)) == count0 + 1
+
+
+def test_a_repeated_schema_moves_backend_and_stays_valid(server):
+    """auto serves a new JSON schema with llguidance and, once outlines has built its index in the background,
+    later requests for it with outlines (AutoBackend.promotion): every answer before and after is valid, and the
+    move shows in /metrics."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    promotions0 = _metric(httpx.get(f"{server.url}/metrics").text, "radixlm_grammar_promotions_total")
+    answers = []
+    deadline = time.monotonic() + 90
+    while True:
+        resp = _generate(server, {"json_schema": schema, "max_new_tokens": 40, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        out = json.loads(resp.json()["text"])
+        assert set(out) == {"city", "rank"} and len(out["city"]) <= 10 and isinstance(out["rank"], int), out
+        answers.append(out)
+        promoted = _metric(httpx.get(f"{server.url}/metrics").text, "radixlm_grammar_promotions_total") - promotions0
+        if promoted >= 1 and len(answers) >= 3:
+            break
+        assert time.monotonic() < deadline, f"no promotion after {len(answers)} requests"
+    assert promoted == 1
