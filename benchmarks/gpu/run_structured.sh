@@ -68,6 +68,8 @@ for g in $GRAMMARS; do
     timeout $(left) python benchmarks/bench_serving.py --base-url $URL --label json-$g-whole $JSON --no-stream \
         --out "$DEST/json_${g}_whole.json" > /dev/null
     cut_trace json_${g}_whole
+    # how auto served the schema: compiled once, moved to outlines (promotion) after its first requests?
+    curl -s $URL/metrics | grep -E "^radixlm_grammar_(promotions|compiles|cache_hits)_total" | tee "$DEST/grammar_$g.txt"
     if [ $first = 1 ]; then
         # unconstrained at the same concurrency, output length near the JSON answers' (EOS banned)
         timeout $(left) python benchmarks/bench_serving.py --base-url $URL --label plain-c64 --dataset random \

@@ -187,6 +187,7 @@ class GrammarManager:
         self._promoting: GrammarSpec | None = None
         self._promoted: dict[GrammarSpec, CompiledGrammar] = {}  # built, waiting for request() to swap it in
         self._settled: set[GrammarSpec] = set()  # promoted, being promoted, or staying where they are
+        self._wanted: set[GrammarSpec] = set()  # asked for again while their first compile was running
         self.cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self.stats = GrammarStats()
         self._slots = threading.BoundedSemaphore(workers)
@@ -210,12 +211,17 @@ class GrammarManager:
                 fut.set_result(ready)
                 self.cache[spec] = fut
                 self.stats.promotions += 1
-            elif self.promote and spec not in self._settled and self._promoting is None and _succeeded(fut):
-                self._start_promotion(spec)
+            elif self.promote and spec not in self._settled:
+                if fut.done():
+                    if _succeeded(fut):
+                        self._maybe_promote(spec)
+                else:  # asked for again while its first compile runs (a burst): promote when that ends
+                    self._wanted.add(spec)
         else:
             with self._lock:  # an evicted spec compiles afresh, and may be promoted afresh
                 self._promoted.pop(spec, None)
             self._settled.discard(spec)
+            self._wanted.discard(spec)
             fut = Future()
             threading.Thread(target=self._run, args=(spec, fut), name="grammar", daemon=True).start()
             self.cache[spec] = fut
@@ -223,18 +229,24 @@ class GrammarManager:
                 self.cache.popitem(last=False)
         return GrammarTicket(spec, fut, now, self)
 
-    def _start_promotion(self, spec: GrammarSpec) -> None:
-        self._settled.add(spec)
-        if len(self._settled) > 4 * _CACHE_ENTRIES:  # forget old verdicts rather than grow without bound
-            self._settled = {spec}
+    def _maybe_promote(self, spec: GrammarSpec) -> None:
+        """Start moving `spec` to the backend its promotion names, unless another move is under way (a later
+        request asks again) or it was settled before. Called from the scheduler thread and from compile threads."""
+        with self._lock:
+            if self._promoting is not None or spec in self._settled:
+                return
+            if len(self._settled) >= 4 * _CACHE_ENTRIES:  # forget old verdicts rather than grow without bound
+                self._settled.clear()
+            self._settled.add(spec)
+            self._promoting = spec
         try:
             target = self.backend.promotion(spec)
         except Exception as e:  # noqa: BLE001 - an optimisation: the spec just stays where it is
             logger.debug("no promotion for a %s: %s", spec.describe(), e)
-            return
+            target = None
         if target is None:
+            self._promoting = None
             return
-        self._promoting = spec
         threading.Thread(target=self._promote, args=(spec, target), name="grammar-promote", daemon=True).start()
 
     def _promote(self, spec: GrammarSpec, target: GrammarBackend) -> None:
@@ -273,6 +285,10 @@ class GrammarManager:
                 fut.set_result(self._compile(spec))
             except BaseException as e:  # noqa: BLE001 - delivered to whoever waits on the future
                 fut.set_exception(e)
+            else:
+                if spec in self._wanted:
+                    self._wanted.discard(spec)
+                    self._maybe_promote(spec)
             finally:
                 with self._lock:  # before the thread ends, so a demotion never reaches a reused thread id
                     self._active.pop(fut, None)

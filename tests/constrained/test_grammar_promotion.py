@@ -119,3 +119,17 @@ def test_promotion_can_be_turned_off(tok):
         assert manager.stats.promotions == 0
     finally:
         manager.shutdown()
+
+
+def test_a_burst_of_one_new_schema_is_promoted_without_a_later_request(manager):
+    """Requests that arrive together (a client's first 64) all join the first compile; the move starts when it
+    ends, so the burst after it is served by outlines."""
+    spec = _spec({**RECORD, "properties": {**RECORD["properties"], "burst": {"type": "boolean"}}})
+    tickets = [manager.request(spec) for _ in range(8)]
+    deadline = time.monotonic() + 120
+    while spec not in manager._promoted:  # no further request: the move runs on its own
+        assert time.monotonic() < deadline, "the burst's schema was never moved"
+        time.sleep(0.02)
+    assert all(isinstance(t.poll(), LLGuidanceCompiled) for t in tickets)
+    assert isinstance(_compiled(manager, spec), OutlinesCompiled)
+    assert manager.stats.promotions == 1
