@@ -12,6 +12,12 @@ probe loses (32 steps up to 1,024), so a workload that turns copy-heavy is notic
 for the probes; a bucket where drafting keeps winning closes for a short stretch now and then to measure
 decoding afresh, as contexts grow and steps slow down.
 
+A bucket starts closed, measuring decoding first (free: those steps run at plain speed). Probes are short
+(JUDGE_STEPS open steps) because a losing probe is the gate's only cost: a verify step can cost several decode
+steps (4-5x for a small model on a GPU at 32 requests), and a probe's steps are paid again after every pause. The
+first pause grows with how badly drafting lost, and a loss closes the larger buckets too unless they have won
+on their own: drafting pays less as the batch grows, so a loss at 8 requests is news about 32.
+
 Only steady steps count: one whose bucket and mode were those of the step before it (the first step after a
 switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither."""
 
@@ -19,11 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-JUDGE_STEPS = 16  # open steps per judgement
-MEASURE_STEPS = 16  # closed steps taken to measure decoding when there is no fresh figure
+JUDGE_STEPS = 4  # open steps per judgement
+MEASURE_STEPS = 8  # closed steps taken to measure decoding when there is no fresh figure
 FIRST_PAUSE = 32  # steps a losing bucket stays closed before its first probe
 MAX_PAUSE = 1024
 REFRESH_EVERY = 512  # steps between fresh measurements of decoding while drafting wins
+_MAX_BUCKET = 20  # bucket of a million decoding requests
 
 
 @dataclass
@@ -51,6 +58,7 @@ class SpecGate:
         self.pause: dict[int, int] = {}
         self.refresh_at: dict[int, int] = {}
         self.closures = 0  # times a bucket closed because drafting lost (reported as a stat)
+        self.won: set[int] = set()  # buckets whose last judgement found drafting faster
         self._last: tuple[bool, int] | None = None
 
     @staticmethod
@@ -58,7 +66,10 @@ class SpecGate:
         return max(1, n).bit_length()
 
     def allows(self, n: int) -> bool:
-        return self.step >= self.closed_until.get(self.bucket(n), 0)
+        b = self.bucket(n)
+        if b not in self.closed_until:  # never seen: decode plainly first, to know what drafting competes with
+            self._close(b, MEASURE_STEPS, measure=True)
+        return self.step >= self.closed_until[b]
 
     def plain_rate(self, b: int) -> float | None:
         s = self.closed.get(b)
@@ -84,10 +95,18 @@ class SpecGate:
         if plain is None:  # nothing to compare with: decode plainly for a stretch
             self._close(b, MEASURE_STEPS, measure=True)
         elif s.rate < plain:
-            self.pause[b] = min(2 * self.pause.get(b, FIRST_PAUSE // 2), MAX_PAUSE)
+            # a first loss by a factor f pauses f * f times FIRST_PAUSE (a 2x loss: 128 steps); each further one doubles
+            first = FIRST_PAUSE * min((plain / max(s.rate, 1e-9)) ** 2, MAX_PAUSE / FIRST_PAUSE)
+            self.pause[b] = int(min(2 * self.pause[b] if b in self.pause else first, MAX_PAUSE))
             self._close(b, self.pause[b])
             self.closures += 1
+            self.won.discard(b)
+            for larger in range(b + 1, _MAX_BUCKET + 1):  # larger batches gain less: closed as long, unless they won
+                if larger not in self.won and self.closed_until.get(larger, 0) < self.closed_until[b]:
+                    self.pause[larger] = max(self.pause.get(larger, 0), self.pause[b])
+                    self._close(larger, self.pause[b], measure=True)
         else:
+            self.won.add(b)
             self.pause.pop(b, None)
             self.opened[b] = Stretch()  # judge the next stretch on its own
             if self.step >= self.refresh_at.setdefault(b, self.step + REFRESH_EVERY):

@@ -391,22 +391,38 @@ def test_gate_closes_a_batch_size_where_drafting_loses_and_probes_it_again():
     from radixlm.srt.speculative import gate as g
 
     gate = g.SpecGate()
-    _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # open at first; no decoding figure yet: it measures one
-    assert not gate.allows(8) and gate.closures == 0
+    assert not gate.allows(8)  # a batch size never seen decodes plainly first: the figure drafting must beat
     assert _until_open(gate, 8, 1000.0) == g.MEASURE_STEPS and gate.plain_rate(gate.bucket(8)) == pytest.approx(1000.0)
     _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # drafting delivered fewer tokens/s: closed
     assert not gate.allows(8) and not gate.allows(12) and gate.closures == 1
-    assert gate.allows(1) and gate.allows(4) and gate.allows(16)  # other batch sizes keep their own record
+    # larger batches gain less: they close as long; smaller ones keep their own record (none yet)
+    assert not gate.allows(16) and not gate.allows(200)
+    assert gate.bucket(4) not in gate.closed_until and gate.bucket(1) not in gate.closed_until
+    first = int(g.FIRST_PAUSE * (1000.0 / 600.0) ** 2)  # the first pause grows with the loss
     pauses = []
     for _ in range(7):
         pauses.append(_until_open(gate, 8, 1000.0))
         _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # the probe loses again
-    assert pauses == [g.FIRST_PAUSE, 64, 128, 256, 512, g.MAX_PAUSE, g.MAX_PAUSE], pauses
+    assert pauses == [first, 2 * first, 4 * first, 8 * first, g.MAX_PAUSE, g.MAX_PAUSE, g.MAX_PAUSE], pauses
     assert gate.closures == 8
     # The text turned copyable: the next probe wins, and the bucket stays open.
     _until_open(gate, 8, 1000.0)
     _steps(gate, 8, 1000.0, 2500.0, 1 + 3 * g.JUDGE_STEPS)
     assert gate.allows(8) and gate.closures == 8
+
+
+def test_gate_a_loss_leaves_larger_batch_sizes_that_won_open():
+    from radixlm.srt.speculative import gate as g
+
+    gate = g.SpecGate()
+    for n in (32, 8):
+        _until_open(gate, n, 1000.0)
+    _steps(gate, 32, 1000.0, 1500.0, 1 + g.JUDGE_STEPS)  # drafting wins at 32 (a copy-heavy batch)
+    assert gate.allows(32) and gate.bucket(32) in gate.won
+    _steps(gate, 8, 1000.0, 100.0, 1 + g.JUDGE_STEPS)  # and loses badly at 8
+    assert not gate.allows(8) and gate.allows(32)
+    assert gate.pause[gate.bucket(8)] == g.MAX_PAUSE  # a 10x loss: the longest pause at once
+    assert not gate.allows(64)  # a larger size with no record of its own follows the loss
 
 
 def test_gate_counts_only_steady_steps_and_remeasures_decoding_while_drafting_wins():
@@ -417,8 +433,7 @@ def test_gate_counts_only_steady_steps_and_remeasures_decoding_while_drafting_wi
         gate.observe(True, 4, 4, 4 / 100.0)
         gate.observe(True, 8, 8, 8 / 100.0)
         gate.observe(None, 8, 0, 0.01)
-    assert not any(s.steps for s in gate.opened.values()) and gate.allows(4) and gate.allows(8)
-    _steps(gate, 4, 1000.0, 3000.0, 1 + g.JUDGE_STEPS)
+    assert not any(s.steps for s in gate.opened.values()) and not gate.closed_until and gate.closures == 0
     _until_open(gate, 4, 1000.0)
     # Drafting wins and keeps the bucket open, until its decoding figure is due to be measured afresh.
     opened = gate.step
