@@ -6,7 +6,8 @@
 #   bash benchmarks/peers/run_peers.sh DEST radixlm  [serve offline]
 # Both engines: benchmarks/configs/llama-3.1-8b with dummy bf16 weights, the same full-vocabulary tokenizer,
 # context 8192, 0.85 of the GPU's memory. vLLM runs from the wheelhouse install (PEER_SITE, default
-# /tmp/vllm-site: install_wheelhouse.sh) with nothing of ours on its path. WORKLOADS picks serving runs.
+# /tmp/vllm-site: install_wheelhouse.sh) with nothing of ours on its path. WORKLOADS picks serving runs;
+# VLLM_SO_BACKEND vLLM's structured-output backend (default xgrammar; guidance is llguidance).
 set -u
 DEST=$1; ENGINE=$2; shift 2
 STAGES=" ${*:-serve offline} "
@@ -29,8 +30,8 @@ if [ "$ENGINE" = vllm ]; then
     VERSION=$(vllm_env python -c "import vllm; print(vllm.__version__)" 2> /dev/null) || { echo "vllm not importable"; exit 1; }
     FLAGS="--load-format dummy --dtype bfloat16 --tokenizer $TOK --served-model-name llama-8b-dummy --port $PORT
            --gpu-memory-utilization $MEM --max-model-len $CTX --no-enable-flashinfer-autotune
-           --structured-outputs-config {\"backend\":\"xgrammar\",\"disable_any_whitespace\":true}"
-    start_server() { vllm_env python -m vllm.entrypoints.cli.main serve $CFG $FLAGS > "$DEST/vllm_server.log" 2>&1 & }
+           --structured-outputs-config {\"backend\":\"${VLLM_SO_BACKEND:-xgrammar}\",\"disable_any_whitespace\":true}"
+    start_server() { vllm_env setsid python -m vllm.entrypoints.cli.main serve $CFG $FLAGS > "$DEST/vllm_server.log" 2>&1 & }
 else
     VERSION=$(git rev-parse --short HEAD 2> /dev/null || echo unknown)
     FLAGS="--load-format dummy --tokenizer-path $TOK --served-model-name llama-8b-dummy --port $PORT
@@ -71,9 +72,16 @@ if stage serve; then
     # vLLM's server has been seen to hang on SIGINT after a failed request: give it 30 s, then kill its group
     kill -INT $SERVER
     for _ in $(seq 30); do kill -0 $SERVER 2> /dev/null || break; sleep 1; done
-    kill -0 $SERVER 2> /dev/null && { echo "server did not stop in 30 s: killed"; pkill -9 -P $SERVER; kill -9 $SERVER; }
+    # killed as a group: vLLM's engine core is a grandchild that kept the GPU's memory when only the parent went
+    kill -0 $SERVER 2> /dev/null && { echo "server did not stop in 30 s: killed"; kill -9 -- -$SERVER 2> /dev/null; kill -9 $SERVER; }
     wait $SERVER 2> /dev/null
-    sleep 3  # let the GPU memory go before the offline engine starts
+    # the next engine (or stage) needs the GPU's memory back: wait until no process holds more than 1 GiB
+    for _ in $(seq 60); do
+        used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | sort -n | tail -1)
+        [ "${used:-0}" -lt 1024 ] && break
+        sleep 1
+    done
+    echo "GPU memory in use after the server stopped: ${used:-?} MiB"
 fi
 
 if stage offline; then
