@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
+import aiohttp
 import httpx
 import orjson
 from fastapi import FastAPI, Request
@@ -111,20 +112,33 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     workers = WorkerSet(list(cfg.worker_urls), cfg.index_capacity, cfg.health_interval_s)
     policy = Policy(cfg.policy)
     metrics = _Metrics(workers)
-    # No read timeout: a generation may take minutes; connecting to a worker must be quick
+    # Health checks and the admin routes go through httpx; the generation routes through aiohttp, whose client
+    # costs a fraction of httpx's per request and per chunk (tools/router_overhead.py). No read timeout on either:
+    # a generation may take minutes; connecting to a worker must be quick.
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=5.0),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
     )
+    relay: dict[str, aiohttp.ClientSession] = {}  # made inside the server's event loop (lifespan)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        relay["session"] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+            auto_decompress=False,  # bytes pass through as the worker wrote them
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
         watcher = asyncio.create_task(workers.watch(client))
         try:
             yield
         finally:
             watcher.cancel()
             await client.aclose()
+            await relay["session"].close()
+
+    async def _post(url: str, raw: bytes, headers: dict) -> aiohttp.ClientResponse:
+        return await relay["session"].post(url, data=raw, headers=headers)
 
     app = FastAPI(title="radixlm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.workers, app.state.policy = workers, policy
@@ -156,13 +170,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             rid = workers.opened(w, tokens)
             done = True
             try:
-                up = await _unless_gone(
-                    request,
-                    client.send(
-                        client.build_request("POST", w.url + path, content=raw, headers=headers), stream=True
-                    ),  # fmt: skip
-                )
-            except httpx.TransportError:
+                up = await _unless_gone(request, _post(w.url + path, raw, headers))
+            except aiohttp.ClientError:
                 workers.closed(w, rid)
                 workers.failed(w)
                 metrics.retries.inc()
@@ -171,27 +180,27 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                 workers.closed(w, rid)
                 return Response(status_code=499)
             try:
-                if up.status_code >= 500 and attempt == 0:
-                    await up.aread()
+                if up.status >= 500 and attempt == 0:
+                    await up.read()
                     metrics.retries.inc()
                     continue
                 kind = up.headers.get("content-type", "application/json")
                 if "text/event-stream" not in kind:
-                    content = await _unless_gone(request, up.aread())
+                    content = await _unless_gone(request, up.read())
                     if content is None:  # the client hung up: closing the worker's answer aborts it there
                         return Response(status_code=499)
-                    return Response(content, up.status_code, media_type=kind)
-                chunks = up.aiter_raw()
+                    return Response(content, up.status, media_type=kind)
+                chunks = up.content.iter_any()
                 first = await anext(chunks, b"")
                 done = False  # the stream owns the worker's answer from here
-                return StreamingResponse(_relay(first, chunks, up, w, rid), status_code=up.status_code, media_type=kind)
-            except httpx.TransportError:  # the worker died before any byte reached the client
+                return StreamingResponse(_relay(first, chunks, up, w, rid), status_code=up.status, media_type=kind)
+            except aiohttp.ClientError:  # the worker died before any byte reached the client
                 workers.failed(w)
                 metrics.retries.inc()
                 continue
             finally:
                 if done:
-                    await up.aclose()
+                    up.release()  # back to the pool when read whole; closed (aborting it at the worker) if not
                     workers.closed(w, rid)
         metrics.failed.labels("workers_failed").inc()
         return error(502, "the request failed on two workers", "server_error", "workers_failed")
@@ -210,23 +219,30 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         finally:
             if not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                     await task
 
-    async def _relay(first: bytes, chunks, up: httpx.Response, w, rid: int):
+    async def _relay(first: bytes, chunks, up: aiohttp.ClientResponse, w, rid: int):
+        whole = False
         try:
             if first:
                 yield first
             async for chunk in chunks:
                 yield chunk
-        except httpx.TransportError:
+            whole = True
+        except aiohttp.ClientError:
             workers.failed(w)
             metrics.failed.labels("stream_broken").inc()
             msg = {"error": {"message": "the worker serving this stream failed", "type": "server_error",
                              "param": None, "code": "worker_failed"}}  # fmt: skip
             yield b"data: " + orjson.dumps(msg) + b"\n\ndata: [DONE]\n\n"
         finally:
-            await up.aclose()
+            # a stream read to its end gives its connection back; one the client left is closed, which aborts
+            # the request at its worker
+            if whole:
+                up.release()
+            else:
+                up.close()
             workers.closed(w, rid)
 
     for path in GENERATION_ROUTES:
