@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -14,15 +13,16 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixlm.srt.constrained.vocab import token_bytes
 from radixlm.srt.entrypoints.openai import tools as tooling
+from radixlm.srt.entrypoints.openai.constraints import grammar_fields, grammar_param
+from radixlm.srt.entrypoints.openai.messages import chat_message
 from radixlm.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
 from radixlm.srt.errors import GrammarError, InvalidRequest, RadixLMError
 from radixlm.srt.managers.io_struct import FinishReason
-from radixlm.srt.managers.request_prep import PreparedInput, check_text
+from radixlm.srt.managers.request_prep import PreparedInput
 from radixlm.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 from radixlm.srt.sampling.sampling_params import SamplingParams
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_ROLES = {"system", "user", "assistant", "developer", "tool"}
 _MAX_TOP_LOGPROBS = 20
 
 
@@ -47,20 +47,6 @@ def _call_incomplete(max_tokens: int | None) -> InvalidRequest:
         f"the answer reached max_tokens ({max_tokens}) before its tool call was complete; raise max_tokens",
         param="max_tokens",
     )
-
-
-_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "regex", "grammar": "ebnf"}
-
-
-def _choices(choices, field: str) -> str | None:
-    """vLLM's guided_choice: the answer is exactly one of these strings (as a regex)."""
-    if choices is None:
-        return None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise InvalidRequest(f"{field} must be a non-empty list of non-empty strings", param=field)
-    from radixlm.srt.constrained.outlines_backend import choices_regex
-
-    return choices_regex(choices)
 
 
 class JSONResponse(Response):
@@ -191,7 +177,7 @@ class OpenAIServing:
             raise InvalidRequest("best_of must equal n (beam-style best_of is not supported)", param="best_of")
         if req.logprobs is not None and not 0 <= req.logprobs <= _MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {_MAX_TOP_LOGPROBS}]", param="logprobs")
-        grammar, field = self._grammar(req)
+        grammar, field = grammar_fields(req)
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -210,7 +196,7 @@ class OpenAIServing:
                 rids=[req.rid] * len(inputs) if req.rid and len(inputs) == 1 and req.n == 1 else None,
             )
         except GrammarError as e:
-            raise self._grammar_param(field, e) from None
+            raise grammar_param(field, e) from None
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -221,7 +207,7 @@ class OpenAIServing:
         try:
             raise_if_failed(states)
         except RequestFailed as e:
-            raise self._grammar_param(field, e) from None
+            raise grammar_param(field, e) from None
         choices = []
         for st in states:
             text = (self._prompt_text(st) if req.echo else "") + st.text
@@ -309,7 +295,7 @@ class OpenAIServing:
             raise InvalidRequest("messages must not be empty", param="messages")
         funcs = funcs or []
         own = bool(funcs) and tooling.template_takes_tools(self.tm.tokenizer)
-        messages = [self._message(i, m, own) for i, m in enumerate(req.messages)]
+        messages = [chat_message(i, m, own) for i, m in enumerate(req.messages)]
         messages = tooling.render_messages(messages, funcs, own)
         kw = {"tools": [{"type": "function", "function": f} for f in funcs]} if own else {}
         try:
@@ -324,140 +310,6 @@ class OpenAIServing:
             raise InvalidRequest(f"messages cannot be rendered by the chat template: {e}", param="messages") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    @staticmethod
-    def _message(i: int, m, own_template: bool) -> dict:
-        where = f"messages[{i}]"
-        if m.role not in _ROLES:
-            raise InvalidRequest(
-                f"{where}.role: unsupported role {m.role!r} (supported: {', '.join(sorted(_ROLES))})",
-                param=f"{where}.role",
-            )
-        if isinstance(m.content, list):
-            texts = []
-            for j, part in enumerate(m.content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text" and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                elif kind == "refusal" and m.role == "assistant" and isinstance(part.get("refusal"), str):
-                    texts.append(part["refusal"])  # what the assistant said, as the model should see it
-                elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
-                    raise UnsupportedField(
-                        f"{where}.content[{j}] is not supported: this model takes text only ({kind} parts)",
-                        param=f"{where}.content[{j}]",
-                    )
-                else:
-                    raise InvalidRequest(
-                        f'{where}.content[{j}] must be {{"type": "text", "text": ...}}', param=f"{where}.content"
-                    )
-            content = "".join(texts)
-        else:
-            content = m.content
-        if m.refusal:  # an earlier answer's refusal (OpenAI returns it beside a null content): what it said
-            content = f"{content}\n{m.refusal}" if content else m.refusal
-        if m.role == "tool" and not (isinstance(m.tool_call_id, str) and m.tool_call_id):
-            raise InvalidRequest(
-                f"{where}.tool_call_id is required on tool messages (the id of the call it answers)",
-                param=f"{where}.tool_call_id",
-            )
-        calls = []
-        if m.tool_calls is not None:
-            if m.role != "assistant":
-                raise InvalidRequest(f"{where}: only assistant messages carry tool_calls", param=f"{where}.tool_calls")
-            for j, c in enumerate(m.tool_calls):
-                f = c.get("function") if isinstance(c, dict) else None
-                args = f.get("arguments") if isinstance(f, dict) else None
-                try:
-                    parsed = json.loads(args) if isinstance(args, str) else args
-                except json.JSONDecodeError:
-                    parsed = None
-                if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(parsed, dict):
-                    raise InvalidRequest(
-                        f"{where}.tool_calls[{j}] must hold function.name and function.arguments "
-                        "(a JSON object as a string)",
-                        param=f"{where}.tool_calls",
-                    )
-                calls.append({"name": f["name"], "arguments": parsed})
-        if content is None and not calls:
-            raise InvalidRequest(f"{where}.content must not be null", param=f"{where}.content")
-        check_text(content or "", f"{where}.content")
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name  # for templates that render it
-        if calls:
-            msg["tool_calls"] = [{"type": "function", "function": c} for c in calls] if own_template else calls
-        if m.role == "tool" and m.tool_call_id:
-            msg["tool_call_id"] = m.tool_call_id
-        return msg
-
-    def _grammar(
-        self, req, mode: str = "none", funcs: list[dict] | None = None, name: str | None = None
-    ) -> tuple[dict, str | None]:
-        """Sampling parameters for response_format, tools and the other constraint fields (SGLang's json_schema /
-        regex / ebnf, vLLM's guided_* and structured_outputs), at most one of them; and the request field it came
-        from, which errors about it name."""
-        so = req.structured_outputs or {}
-        unknown = sorted(set(so) - set(_STRUCTURED_OUTPUTS))
-        if unknown:
-            raise InvalidRequest(
-                f"structured_outputs: unknown field(s) {', '.join(unknown)} (supported: "
-                f"{', '.join(_STRUCTURED_OUTPUTS)})",
-                param="structured_outputs",
-            )
-        given = {  # request field -> (grammar kind, value)
-            "json_schema": ("json_schema", req.json_schema),
-            "regex": ("regex", req.regex),
-            "ebnf": ("ebnf", req.ebnf),
-            "guided_json": ("json_schema", req.guided_json),
-            "guided_regex": ("regex", req.guided_regex),
-            "guided_choice": ("regex", _choices(req.guided_choice, "guided_choice")),
-            "guided_grammar": ("ebnf", req.guided_grammar),
-            **{
-                f"structured_outputs.{k}": (
-                    _STRUCTURED_OUTPUTS[k],
-                    v if k != "choice" else _choices(v, "structured_outputs.choice"),
-                )
-                for k, v in so.items()
-            },
-        }
-        rf = req.response_format
-        if rf is not None:
-            if rf.type == "json_schema":
-                schema = (rf.json_schema or {}).get("schema")
-                if not isinstance(schema, (dict, bool)):
-                    raise InvalidRequest(
-                        "response_format.json_schema.schema must be a JSON schema object", param="response_format"
-                    )
-                given["response_format"] = ("json_schema", schema)
-            elif rf.type == "json_object":
-                given["response_format"] = ("json_schema", {"type": "object"})
-            elif rf.type != "text":
-                raise InvalidRequest(
-                    f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
-                    param="response_format",
-                )
-        spec = tooling.tool_grammar(funcs or [], mode, name)
-        if spec is not None:
-            given["tools"] = ("tool_call", spec)
-        used = [(field, kind, value) for field, (kind, value) in given.items() if value is not None]
-        if len(used) > 1:
-            fields = [u[0] for u in used]
-            if "tools" in fields:
-                raise InvalidRequest(
-                    "tools cannot be combined with response_format or another grammar; use "
-                    'tool_choice "none" for a constrained text answer',
-                    param="tools",
-                )
-            raise InvalidRequest(f"give at most one constraint (got {', '.join(fields)})", param=fields[1])
-        return {kind: value for _, kind, value in used}, (used[0][0] if used else None)
-
-    @staticmethod
-    def _grammar_param(field: str | None, err: RadixLMError) -> RadixLMError:
-        """A grammar refused under the name of the request field the client sent it in (response_format,
-        guided_json, ...), not the sampling parameter it became."""
-        if field is not None and err.param in ("json_schema", "regex", "ebnf"):
-            err.param = field
-        return err
-
     async def chat(self, req: ChatCompletionRequest, request):
         self._check_model(req.model)
         funcs, mode, name = tooling.check_tools(req.tools, req.tool_choice)
@@ -467,7 +319,7 @@ class OpenAIServing:
                 f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}] and needs logprobs=true", param="top_logprobs"
             )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        grammar, field = self._grammar(req, mode, funcs, name)
+        grammar, field = grammar_fields(req, mode, funcs, name)
         try:
             params = await self._sampling(req, max_tokens, grammar)
             # Rendering and tokenizing the messages runs on the tokenizer thread, off the event loop.
@@ -480,7 +332,7 @@ class OpenAIServing:
                 rids=[req.rid] if req.rid and req.n == 1 else None,
             )
         except GrammarError as e:
-            raise self._grammar_param(field, e) from None
+            raise grammar_param(field, e) from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         calls_on = mode != "none"
@@ -495,7 +347,7 @@ class OpenAIServing:
         try:
             raise_if_failed(states)
         except RequestFailed as e:
-            raise self._grammar_param(field, e) from None
+            raise grammar_param(field, e) from None
         choices = []
         for st in states:
             message, finish = {"role": "assistant", "content": st.text}, _FINISH.get(st.finish_reason.type)
