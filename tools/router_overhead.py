@@ -131,17 +131,16 @@ def main() -> None:
             pass
         time.sleep(0.2)
     q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))] * 1e3  # noqa: E731
-    print(
-        f"{'mode':>10} {'conc':>4} {'direct p50/p99 ms':>18} {'router p50/p99 ms':>18} {'added p50 ms':>12} {'added mean':>10}"
-    )
+    head = ("mode", "conc", "direct p50/p99 ms", "router p50/p99 ms", "added p50 ms", "added mean")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (10, 4, 18, 18, 12, 10))))
     for stream in (False, True):
         for c in args.concurrency:
             d = asyncio.run(_time(worker, args.requests, c, stream))
             r = asyncio.run(_time(router, args.requests, c, stream))
-            print(
-                f"{'stream' if stream else 'whole':>10} {c:>4} {q(d, 0.5):8.2f}/{q(d, 0.99):<8.2f} {q(r, 0.5):8.2f}/{q(r, 0.99):<8.2f} "
-                f"{q(r, 0.5) - q(d, 0.5):12.2f} {(statistics.mean(r) - statistics.mean(d)) * 1e3:10.2f}"
-            )
+            mode = "stream" if stream else "whole"
+            direct, routed = f"{q(d, 0.5):.2f}/{q(d, 0.99):.2f}", f"{q(r, 0.5):.2f}/{q(r, 0.99):.2f}"
+            added_mean = (statistics.mean(r) - statistics.mean(d)) * 1e3
+            print(f"{mode:>10} {c:>4} {direct:>18} {routed:>18} {q(r, 0.5) - q(d, 0.5):12.2f} {added_mean:10.2f}")
     for p in procs:
         p.terminate()
 

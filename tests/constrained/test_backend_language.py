@@ -3,8 +3,9 @@ repeated schema from llguidance (compiled in a millisecond) to outlines (a preco
 built), and an answer valid before the move must stay valid after it, and the other way round.
 
 Each probe is a whole text, fed token by token to a fresh matcher of each backend and then offered the stop
-token (or found already stopped): both must agree on whether the text is a complete answer. The probes hit the corners where the two
-backends' scalars used to differ (string escapes, U+0080-U+009F, exponents) and the separators."""
+token (or found already stopped): both must agree on whether the text is a complete answer. The probes hit the
+corners where the two backends' scalars used to differ (string escapes, U+0080-U+009F, exponents) and the
+separators."""
 
 from __future__ import annotations
 
