@@ -8,9 +8,9 @@ batch-size bucket (1, 2-3, 4-7, 8-15, ...) it compares the tokens per second of 
 drafting allowed (open: verify steps, the decode steps between them, the in-order looks) against stretches
 with drafting off (closed); every JUDGE_STEPS open steps it judges the last stretch, and a bucket whose open
 stretch delivered less closes. A closed bucket opens again for a probe after a pause that doubles each time the
-probe loses (32 steps up to 1,024), so a workload that turns copy-heavy is noticed and free text pays little
-for the probes; a bucket where drafting keeps winning closes for a short stretch now and then to measure
-decoding afresh, as contexts grow and steps slow down.
+probe loses (up to 1,024 steps; the first pause is set by how much drafting lost, below), so a workload that
+turns copy-heavy is noticed and free text pays little for the probes; a bucket where drafting keeps winning
+closes for a short stretch now and then to measure decoding afresh, as contexts grow and steps slow down.
 
 A bucket starts closed, measuring decoding first (free: those steps run at plain speed). Probes are short
 (JUDGE_STEPS open steps) because a losing probe is the gate's only cost: a verify step can cost several decode
