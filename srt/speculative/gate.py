@@ -12,11 +12,13 @@ probe loses (up to 1,024 steps; the first pause is set by how much drafting lost
 turns copy-heavy is noticed and free text pays little for the probes; a bucket where drafting keeps winning
 closes for a short stretch now and then to measure decoding afresh, as contexts grow and steps slow down.
 
-A bucket starts closed, measuring decoding first (free: those steps run at plain speed). Probes are short
-(JUDGE_STEPS open steps) because a losing probe is the gate's only cost: a verify step can cost several decode
-steps (4-5x for a small model on a GPU at 32 requests), and a probe's steps are paid again after every pause. The
-first pause grows with how badly drafting lost, and a loss closes the larger buckets too unless they have won
-on their own: drafting pays less as the batch grows, so a loss at 8 requests is news about 32.
+A bucket starts closed, measuring decoding first (free: those steps run at plain speed). A bucket judged for
+the first time, or after a win, is judged on JUDGE_STEPS open steps (shorter stretches misjudge a winning
+bucket on a few unlucky drafts); one that lost before probes with PROBE_STEPS, because a losing probe is the
+gate's only cost and is paid again after every pause (a verify step can cost several decode steps: 4-5x for a
+small model on a GPU at 32 requests), and so does a stretch losing by half or more. The first pause grows with
+how badly drafting lost, and a loss closes the larger buckets too unless they have won on their own: drafting
+pays less as the batch grows, so a loss at 8 requests is news about 32.
 
 Only steady steps count: one whose bucket and mode were those of the step before it (the first step after a
 switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither."""
@@ -25,7 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-JUDGE_STEPS = 4  # open steps per judgement
+JUDGE_STEPS = 16  # open steps per judgement
+PROBE_STEPS = 4  # ... for a bucket that lost before: its probes are paid again after every pause
+EARLY_LOSS = 0.5  # an open stretch delivering less than this share of decoding's rate is judged after PROBE_STEPS
 MEASURE_STEPS = 8  # closed steps taken to measure decoding when there is no fresh figure
 FIRST_PAUSE = 32  # steps a losing bucket stays closed before its first probe
 MAX_PAUSE = 1024
@@ -89,9 +93,10 @@ class SpecGate:
             return
         s = self.opened.setdefault(b, Stretch())
         s.add(tokens, seconds)
-        if s.steps < JUDGE_STEPS:
-            return
         plain = self.plain_rate(b)
+        short = s.steps >= PROBE_STEPS and (b in self.pause or (plain is not None and s.rate < EARLY_LOSS * plain))
+        if s.steps < JUDGE_STEPS and not short:
+            return
         if plain is None:  # nothing to compare with: decode plainly for a stretch
             self._close(b, MEASURE_STEPS, measure=True)
         elif s.rate < plain:

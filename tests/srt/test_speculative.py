@@ -393,7 +393,9 @@ def test_gate_closes_a_batch_size_where_drafting_loses_and_probes_it_again():
     gate = g.SpecGate()
     assert not gate.allows(8)  # a batch size never seen decodes plainly first: the figure drafting must beat
     assert _until_open(gate, 8, 1000.0) == g.MEASURE_STEPS and gate.plain_rate(gate.bucket(8)) == pytest.approx(1000.0)
-    _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # drafting delivered fewer tokens/s: closed
+    _steps(gate, 8, 1000.0, 600.0, g.JUDGE_STEPS)  # a first stretch is not judged on a few steps (the first
+    assert gate.allows(8) and gate.closures == 0  # step after the switch does not count: JUDGE_STEPS - 1 so far)
+    _steps(gate, 8, 1000.0, 600.0, 1)  # at JUDGE_STEPS: drafting delivered fewer tokens/s, closed
     assert not gate.allows(8) and not gate.allows(12) and gate.closures == 1
     # larger batches gain less: they close as long; smaller ones keep their own record (none yet)
     assert not gate.allows(16) and not gate.allows(200)
@@ -402,7 +404,8 @@ def test_gate_closes_a_batch_size_where_drafting_loses_and_probes_it_again():
     pauses = []
     for _ in range(7):
         pauses.append(_until_open(gate, 8, 1000.0))
-        _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # the probe loses again
+        _steps(gate, 8, 1000.0, 600.0, 1 + g.PROBE_STEPS)  # the probe (short: this bucket lost before) loses again
+        assert not gate.allows(8)
     assert pauses == [first, 2 * first, 4 * first, 8 * first, g.MAX_PAUSE, g.MAX_PAUSE, g.MAX_PAUSE], pauses
     assert gate.closures == 8
     # The text turned copyable: the next probe wins, and the bucket stays open.
@@ -419,7 +422,7 @@ def test_gate_a_loss_leaves_larger_batch_sizes_that_won_open():
         _until_open(gate, n, 1000.0)
     _steps(gate, 32, 1000.0, 1500.0, 1 + g.JUDGE_STEPS)  # drafting wins at 32 (a copy-heavy batch)
     assert gate.allows(32) and gate.bucket(32) in gate.won
-    _steps(gate, 8, 1000.0, 100.0, 1 + g.JUDGE_STEPS)  # and loses badly at 8
+    _steps(gate, 8, 1000.0, 100.0, 1 + g.PROBE_STEPS)  # and loses badly at 8: judged early, on a short stretch
     assert not gate.allows(8) and gate.allows(32)
     assert gate.pause[gate.bucket(8)] == g.MAX_PAUSE  # a 10x loss: the longest pause at once
     assert not gate.allows(64)  # a larger size with no record of its own follows the loss
