@@ -12,8 +12,8 @@
 #   PEER_WHEELS_DIR   output folder (default: <repo>/.peer-wheels; inside the repo it must be git-ignored,
 #                     else it would travel with every device run and break the 64 MiB working-tree limit)
 #   PEER_WHEEL_CACHE  folder for the downloads, kept between runs (default: a temp folder, removed at exit)
-#   PEER_SPLIT_SIZE   part size for `split -b` (default 56M: a part and the ~7.4 MB tracked tree fit one device
-#                     call's 64 MiB)
+#   PEER_SPLIT_SIZE   part size for `split -b` (default 48M: a part and the tracked tree, ~8 MB and growing, fit
+#                     one device call's 64 MiB; 56M parts stopped fitting on 2026-11-27)
 #   PYTHON            interpreter whose pip downloads (default python3)
 set -euo pipefail
 
@@ -22,7 +22,7 @@ root=$(git -C "$here" rev-parse --show-toplevel 2>/dev/null || (cd "$here/../.."
 req="$here/requirements-vllm.txt"
 out=${PEER_WHEELS_DIR:-$root/.peer-wheels}
 out=$(mkdir -p "$(dirname "$out")" && cd "$(dirname "$out")" && pwd)/$(basename "$out")
-split_size=${PEER_SPLIT_SIZE:-56M}
+split_size=${PEER_SPLIT_SIZE:-48M}
 split_bytes=$(numfmt --from=iec "$split_size")
 py=${PYTHON:-python3}
 
