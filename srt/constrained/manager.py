@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -27,11 +26,6 @@ from radixlm.srt.errors import GrammarError, GrammarTimeout, GrammarWorkersBusy
 logger = logging.getLogger(__name__)
 
 _CACHE_ENTRIES = 512
-# A promoted compile's regex limits: outlines-core's index grows with bounded repetitions ({0,4096}) and with
-# the regex; past these a build can take minutes and gigabytes, more than cheaper masks repay
-_PROMOTE_MAX_REGEX = 16_384
-_PROMOTE_MAX_REPEAT = 256
-_BOUNDS = re.compile(r"\{(?:\d+,)?(\d+)\}")
 DEMOTE_AFTER_S = 2.0
 _LOWEST_PRIORITY = 19
 
@@ -85,7 +79,7 @@ class AutoBackend(GrammarBackend):
         accept the same answers (their scalars are aligned: tests/constrained/test_backend_language.py), though
         a greedy answer's tokens may differ (llguidance allows only the canonical tokens of text the grammar
         forces). Not for schemas whose regex could make a large index (long bounded repetitions, long regexes)."""
-        from radixlm.srt.constrained.outlines_backend import regex_for
+        from radixlm.srt.constrained.outlines_backend import index_is_small, regex_for
         from radixlm.srt.constrained.spec import check_supported, enforces
 
         if spec.kind != "json_schema" or check_supported(spec, "auto") != "llguidance":
@@ -96,9 +90,7 @@ class AutoBackend(GrammarBackend):
             regex = regex_for(spec)
         except GrammarError:
             return None
-        if len(regex) > _PROMOTE_MAX_REGEX or any(int(n) > _PROMOTE_MAX_REPEAT for n in _BOUNDS.findall(regex)):
-            return None
-        return self.backend("outlines")
+        return self.backend("outlines") if index_is_small(regex) else None
 
 
 COMPILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
@@ -122,7 +114,8 @@ def _cpu_seconds(clock: int | None) -> float:
 
 
 def _succeeded(fut: Future) -> bool:
-    return fut.done() and not fut.cancelled() and fut.exception() is None
+    """A done future that holds a result."""
+    return not fut.cancelled() and fut.exception() is None
 
 
 @dataclass
@@ -212,11 +205,10 @@ class GrammarManager:
                 self.cache[spec] = fut
                 self.stats.promotions += 1
             elif self.promote and spec not in self._settled:
-                if fut.done():
-                    if _succeeded(fut):
-                        self._maybe_promote(spec)
-                else:  # asked for again while its first compile runs (a burst): promote when that ends
+                if not fut.done():  # asked for again while its first compile runs (a burst): promote when that ends
                     self._wanted.add(spec)
+                elif _succeeded(fut):
+                    self._maybe_promote(spec)
         else:
             with self._lock:  # an evicted spec compiles afresh, and may be promoted afresh
                 self._promoted.pop(spec, None)

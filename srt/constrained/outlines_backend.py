@@ -58,6 +58,20 @@ def _llguidance_scalars(regex: str, schema_text: str) -> str:
     return regex
 
 
+# outlines-core's index grows with bounded repetitions ({0,4096}) and with the regex; past these a build can take
+# minutes and gigabytes (an optimisation such as auto's promotion should not start one)
+_SMALL_INDEX_MAX_REGEX = 16_384
+_SMALL_INDEX_MAX_REPEAT = 256
+_BOUNDS = re.compile(r"\{(?:\d+,)?(\d+)\}")
+
+
+def index_is_small(regex: str) -> bool:
+    """Whether `regex` is one whose index builds in seconds at most, judged from its text."""
+    if len(regex) > _SMALL_INDEX_MAX_REGEX:
+        return False
+    return all(int(n) <= _SMALL_INDEX_MAX_REPEAT for n in _BOUNDS.findall(regex))
+
+
 def choices_regex(choices: list[str]) -> str:
     return "(" + "|".join(re.escape(c) for c in choices) + ")"
 

@@ -140,6 +140,14 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def _post(url: str, raw: bytes, headers: dict) -> aiohttp.ClientResponse:
         return await relay["session"].post(url, data=raw, headers=headers)
 
+    def _let_go(up: aiohttp.ClientResponse) -> None:
+        """An answer read to its end gives its connection back to the pool; one left unread (the client hung up,
+        the worker broke off) is closed, which aborts the request at its worker."""
+        if up.content.is_eof():
+            up.release()
+        else:
+            up.close()
+
     app = FastAPI(title="radixlm router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.workers, app.state.policy = workers, policy
 
@@ -200,7 +208,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                 continue
             finally:
                 if done:
-                    up.release()  # back to the pool when read whole; closed (aborting it at the worker) if not
+                    _let_go(up)
                     workers.closed(w, rid)
         metrics.failed.labels("workers_failed").inc()
         return error(502, "the request failed on two workers", "server_error", "workers_failed")
@@ -223,13 +231,11 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                     await task
 
     async def _relay(first: bytes, chunks, up: aiohttp.ClientResponse, w, rid: int):
-        whole = False
         try:
             if first:
                 yield first
             async for chunk in chunks:
                 yield chunk
-            whole = True
         except aiohttp.ClientError:
             workers.failed(w)
             metrics.failed.labels("stream_broken").inc()
@@ -237,12 +243,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                              "param": None, "code": "worker_failed"}}  # fmt: skip
             yield b"data: " + orjson.dumps(msg) + b"\n\ndata: [DONE]\n\n"
         finally:
-            # a stream read to its end gives its connection back; one the client left is closed, which aborts
-            # the request at its worker
-            if whole:
-                up.release()
-            else:
-                up.close()
+            _let_go(up)
             workers.closed(w, rid)
 
     for path in GENERATION_ROUTES:
