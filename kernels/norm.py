@@ -1,4 +1,6 @@
-"""RMSNorm, and RMSNorm with the residual add fused in (one read of x and residual, one write of each)."""
+"""RMSNorm, and RMSNorm with the residual add fused in (one read of x and residual, one write of each); either
+can write its rows straight in e4m3 with a scale per token for an FP8 projection (one kernel instead of a norm
+and a quantization launch, and no bf16 rows written and read back between them)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,14 @@ def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch
     return rmsnorm_ref(s, weight, eps), s
 
 
+def rmsnorm_fp8_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(e4m3 rows, float32 scales [T, 1], residual stream) of rmsnorm(x [+ residual]), as `rmsnorm_fp8`."""
+    from radixlm.kernels.fp8_quant import quantize_tokens_ref  # noqa: PLC0415
+
+    y, res = (rmsnorm_ref(x, weight, eps), x) if residual is None else fused_add_rmsnorm_ref(x, residual, weight, eps)
+    return (*quantize_tokens_ref(y), res)
+
+
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit
 def _rmsnorm_kernel(
@@ -28,12 +38,15 @@ def _rmsnorm_kernel(
     res_ptr,
     w_ptr,
     out_ptr,
+    q_ptr,
+    s_ptr,
     stride_x,
     stride_res,
     stride_out,
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL_TRIGGER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -52,10 +65,19 @@ def _rmsnorm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd).to(x.dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        # Exactly what quantizing the stored rows (fp8_quant.quantize_tokens) computes: the row rounded to the
+        # activation dtype first, then amax / 448 as its scale; greedy answers do not change with the fusion.
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_out + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out):
+def _launch(x, residual, weight, eps, out, q=None, scale=None):
     n = x.shape[-1]
     block = next_pow2(n)
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
@@ -64,12 +86,15 @@ def _launch(x, residual, weight, eps, out):
         residual if residual is not None else x,
         weight,
         out,
+        q if q is not None else out,
+        scale if scale is not None else out,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
-        out.stride(0),
+        (q if q is not None else out).stride(0),
         n,
         eps,
         HAS_RESIDUAL=residual is not None,
+        QUANT=q is not None,
         PDL_TRIGGER=pdl_enabled(x.device),
         BLOCK=block,
         num_warps=warps,
@@ -89,3 +114,18 @@ def fused_add_rmsnorm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if x.shape[0]:
         _launch(x, residual, weight, eps, x)
     return x, residual
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rmsnorm(x [+ residual]) as e4m3 rows [T, N] with float32 scales [T, 1] (quantize_tokens' values), and the
+    residual stream: residual <- x + residual in place, or x itself when there is none."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        # `out` only names the activation dtype the rows are rounded to; nothing is written to it
+        _launch(x, residual, weight, eps, x, q, scale)
+    return q, scale, (x if residual is None else residual)

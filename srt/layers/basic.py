@@ -91,3 +91,13 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rmsnorm(x, self.weight, self.eps)
         return self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+
+    def before(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None):
+        """The norm feeding `proj`: (its input, the residual stream). For an FP8 projection (e4m3 rows with
+        per-row scales) the op set's kernel may hand over rows already quantized per token (Fp8Rows), which
+        the FP8 paths take as they are. Without `residual`, x itself is the residual stream."""
+        if self.ops.rmsnorm_fp8 is not None and getattr(proj.quant, "scaled", False) and x.dim() == 2:
+            return self.ops.rmsnorm_fp8(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self.forward(x), x
+        return self.forward(x, residual)

@@ -31,6 +31,9 @@ class KernelOps:
     # (x, Fp8Linear) -> x @ W.T, and the fused gate_up + silu of an FP8 gate_up projection
     fp8_linear: Callable[..., torch.Tensor] = lambda x, q: q.matmul(x)
     fp8_gate_up_silu: Callable[..., torch.Tensor] = lambda x, q: silu_and_mul_ref(q.matmul(x))
+    # (x, residual | None, weight, eps) -> (Fp8Rows of rmsnorm(x [+ residual]), the residual stream): the norm
+    # before an FP8 projection writing its rows in e4m3; None where the set has no such kernel.
+    rmsnorm_fp8: Callable[..., tuple] | None = None
     # Times the skinny-matmul kernels against cuBLAS for the model's shapes (CUDA sets only).
     tuner: object | None = None
 
@@ -43,6 +46,7 @@ def _skinny_linears(silu_and_mul: Callable):
     faster than cuBLAS, and cuBLAS (+ `silu_and_mul`) elsewhere."""
     from radixlm.kernels.fp8_mm import fp8_mm
     from radixlm.kernels.gemv import GemvTuner, gemv, gemv_silu_mul
+    from radixlm.srt.layers.quantization.fp8 import Fp8Rows
 
     tuner = GemvTuner()
 
@@ -55,23 +59,37 @@ def _skinny_linears(silu_and_mul: Callable):
         return silu_and_mul(F.linear(x, w, b)) if pick is None else gemv_silu_mul(x, w, b, pick[1])
 
     # FP8 weights (W8A8): our tensor-core kernel where it measured faster than quantizing x and running the
-    # scaled GEMM
+    # scaled GEMM. x may come already quantized (Fp8Rows, from the norm before the projection).
+    def fp8_mm_of(x, q, config, silu_mul=False):
+        if isinstance(x, Fp8Rows):
+            return fp8_mm(x.q, q.weight, q.scale, None, config, silu_mul, x_scale=x.scale, out_dtype=x.dtype)
+        return fp8_mm(x, q.weight, q.scale, None, config, silu_mul)
+
     def fp8_linear(x, q):
         pick = tuner.lookup(x.shape[0], q.weight, False) if x.dim() == 2 else None
-        return q.matmul(x) if pick is None else fp8_mm(x, q.weight, q.scale, None, pick[1])
+        return q.matmul(x) if pick is None else fp8_mm_of(x, q, pick[1])
 
     def fp8_gate_up_silu(x, q):
         pick = tuner.lookup(x.shape[0], q.weight, True) if x.dim() == 2 else None
-        if pick is None:
-            return silu_and_mul(q.matmul(x))
-        return fp8_mm(x, q.weight, q.scale, None, pick[1], silu_mul=True)
+        return silu_and_mul(q.matmul(x)) if pick is None else fp8_mm_of(x, q, pick[1], silu_mul=True)
 
     return linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner
 
 
+def fp8_rows_of(norm: Callable) -> Callable:
+    """A norm that returns (e4m3 rows, scales, residual) as the op set's `rmsnorm_fp8` (Fp8Rows, residual)."""
+    from radixlm.srt.layers.quantization.fp8 import Fp8Rows
+
+    def rmsnorm_fp8(x, residual, weight, eps):
+        q, scale, residual = norm(x, residual, weight, eps)
+        return Fp8Rows(q, scale, x.dtype), residual
+
+    return rmsnorm_fp8
+
+
 def triton_ops() -> KernelOps:
     from radixlm.kernels.activation import silu_and_mul
-    from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm
+    from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm, rmsnorm_fp8
     from radixlm.kernels.rope import rope_and_store
 
     linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner = _skinny_linears(silu_and_mul)
@@ -85,6 +103,7 @@ def triton_ops() -> KernelOps:
         gate_up_silu,
         fp8_linear,
         fp8_gate_up_silu,
+        fp8_rows_of(rmsnorm_fp8),
         tuner,
     )
 
@@ -94,6 +113,7 @@ def flashinfer_ops() -> KernelOps:
     write the cache, so ours saves a pass over K and V)."""
     import flashinfer
 
+    from radixlm.kernels.norm import rmsnorm_fp8
     from radixlm.kernels.rope import rope_and_store
 
     def fused_add(x, residual, weight, eps):
@@ -111,6 +131,7 @@ def flashinfer_ops() -> KernelOps:
         gate_up_silu,
         fp8_linear,
         fp8_gate_up_silu,
+        fp8_rows_of(rmsnorm_fp8),  # FlashInfer's norms write bf16 only: ours, where the projection after is FP8
         tuner,
     )
 

@@ -94,16 +94,12 @@ class DecoderLayer(nn.Module):
 
     # The two halves around the attention kernel: the graph runner's seam (graph_runner.py cuts forwards here).
     def pre_attention(self, positions, x, residual, fb: ForwardBatch):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm.before(self.self_attn.qkv_proj, x, residual)
         return self.self_attn.qkv_rope_store(positions, x, fb), residual
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
         x = self.self_attn.o_proj(attn_out)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm.before(self.mlp.gate_up_proj, x, residual)
         return self.mlp(x), residual
 
 

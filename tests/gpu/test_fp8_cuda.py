@@ -108,3 +108,22 @@ def test_fp8_kv_cache_against_bf16_kv_on_the_same_weights(setup):
         outs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
         _close(engine)
     assert outs["eager"] == outs["graphs+overlap"] == outs["no-overlap"]
+
+
+def test_fp8_norms_quantizing_for_the_projections_change_nothing(setup):
+    """The Triton set's norms write e4m3 rows for qkv and gate_up (one kernel instead of a norm and a
+    quantization launch): the logits are bit for bit those of the set without that kernel, through whichever
+    FP8 kernel the tuner picked per projection."""
+    import dataclasses
+
+    d, ids, _ = setup
+    engine = _engine(d, quantization="fp8")
+    model = engine.runner.model
+    ops = model.model.layers[0].input_layernorm.ops
+    assert ops.rmsnorm_fp8 is not None
+    fused = forward_logits(engine, ids)
+    model.set_kernel_ops(dataclasses.replace(ops, rmsnorm_fp8=None))
+    unfused = forward_logits(engine, ids)
+    model.set_kernel_ops(ops)
+    _close(engine)
+    assert torch.equal(fused, unfused)

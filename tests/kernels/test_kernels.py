@@ -310,6 +310,36 @@ def test_fp8_quantize_tokens_kernel(m, k):
         assert torch.equal(q.float(), qr.float())
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows,n", [(1, 96), (5, 576)])
+def test_rmsnorm_fp8_is_the_norm_then_the_token_quantization(with_residual, rows, n):
+    """The norm writing e4m3 rows for an FP8 projection gives exactly what the norm kernel followed by the
+    quantization kernel gives (so fusing them changes no answer), and leaves the residual stream as the fused
+    add-norm does (x + residual in place; x itself without one)."""
+    from radixlm.kernels.fp8_quant import quantize_tokens
+    from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm, rmsnorm_fp8, rmsnorm_fp8_ref
+
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * torch.logspace(-2, 2, rows)[:, None]).to(DEV, torch.bfloat16)
+    r = torch.randn(rows, n, generator=g).to(DEV, torch.bfloat16) if with_residual else None
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(DEV, torch.bfloat16)
+    if r is None:
+        normed, want_res = rmsnorm(x, w, 1e-6), x
+    else:
+        normed, want_res = fused_add_rmsnorm_(x.clone(), r.clone(), w, 1e-6)
+    want_q, want_s = quantize_tokens(normed)
+    x_before = x.clone()
+    q, s, res = rmsnorm_fp8(x, r.clone() if r is not None else None, w, 1e-6)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, n) and s.shape == (rows, 1)
+    assert torch.equal(s, want_s) and torch.equal(q.float(), want_q.float())
+    assert torch.equal(res, want_res) and torch.equal(x, x_before)  # x is read, never written
+    # and the torch reference agrees to bf16 rounding (the interpreter truncates; its e4m3 values on CUDA only)
+    rq, rs, rres = rmsnorm_fp8_ref(x, r, w, 1e-6)
+    assert torch.allclose(s, rs, rtol=1e-2) and rel_err(rres, want_res) < tol(torch.bfloat16)
+    if DEV == "cuda":
+        assert rel_err(q.float() * s, rq.float() * rs) < 1e-2
+
+
 @pytest.mark.parametrize(
     "m,n,k,fused,prequant,split",
     [

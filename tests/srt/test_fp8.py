@@ -256,3 +256,31 @@ def test_bad_fp8_inputs_are_start_up_errors(tiny, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="quantization method 'awq' is not supported"):
         _engine(bad)
+
+
+def test_norms_hand_quantized_rows_to_the_fp8_projections(tiny, fp8_anywhere):
+    """Where the op set has a norm that writes e4m3 rows (the Triton set on CUDA), each layer's two norms feed
+    qkv and gate_up with rows already quantized per token: the logits are exactly those of the norm followed by
+    the projection's own quantization, and every such norm ran (here with the torch reference of that kernel,
+    which `tests/kernels/test_kernels.py` holds the Triton kernel to)."""
+    import dataclasses
+
+    from radixlm.kernels.norm import rmsnorm_fp8_ref
+    from radixlm.srt.layers.ops import TORCH_OPS, fp8_rows_of
+
+    e = _engine(tiny["bf16"], quantization="fp8")
+    model = e.runner.model
+    want = forward_logits(e, IDS)
+    calls = []
+    rows = fp8_rows_of(rmsnorm_fp8_ref)
+
+    def counted(x, residual, weight, eps):
+        out = rows(x, residual, weight, eps)
+        calls.append(type(out[0]).__name__)
+        return out
+
+    model.set_kernel_ops(dataclasses.replace(TORCH_OPS, rmsnorm_fp8=counted))
+    got = forward_logits(e, IDS)
+    e.shutdown()
+    assert calls == ["Fp8Rows"] * (2 * len(model.model.layers))
+    assert torch.equal(got, want)

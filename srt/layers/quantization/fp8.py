@@ -93,6 +93,23 @@ def channel_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
 
 
 @dataclass(eq=False)
+class Fp8Rows:
+    """Activations already in e4m3 with a float32 scale per token (a norm that quantized for the projection after
+    it, kernels/norm.py:rmsnorm_fp8); `dtype` is what the projection returns, the dtype the rows came from."""
+
+    q: torch.Tensor  # [T, K] e4m3
+    scale: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dim(self) -> int:
+        return self.q.dim()
+
+
+@dataclass(eq=False)
 class Fp8Linear:
     """x @ W.T with W in e4m3 (row-major [N, K]) and a float32 scale per output row; x's dtype out."""
 
@@ -116,7 +133,11 @@ class Fp8Linear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):
+            out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+            y = torch._scaled_mm(x.q, self.weight.t(), scale_a=x.scale, scale_b=self.scale, out_dtype=out_dtype)
+            return y.to(x.dtype)
         lead, k = x.shape[:-1], x.shape[-1]
         if x.is_cuda:
             from radixlm.kernels.fp8_quant import quantize_tokens as fused  # noqa: PLC0415
