@@ -3,10 +3,14 @@
 #   test     the gpu suite's FP8 tests (kernels compiled, fp8 logits vs bf16, greedy across graphs/eager/overlap)
 #   kernels  bench_fp8_mm.py: every skinny FP8 candidate per projection of
 #            the 8B and 70B shapes at batch 1/8/16/32/128, beside the bf16 weight's best
-#   decode8  bench_decode on the 8B shape, bf16, fp8, fp8 with the LM head too (triton backend), beside the plain
-#            PyTorch graph step
+#   decode8  bench_decode on the 8B shape, bf16, fp8, fp8 with the LM head too, and that with an e4m3 KV pool
+#            (triton backend), beside the plain PyTorch graph step
 #   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
 #   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
+#   offline8 bench_offline on the 8B shape, 256 prompts x 512 in / 256 out, bf16 then fp8 (fp8 head)
+#   serve70  radixlm serving the 70B shape in fp8 (fp8 head, KV70: the pool's dtype, default fp8_e4m3) on this one
+#            GPU: 1,000 in / 1,000 out, 64 users (128 prompts), then 256 users at once (256 prompts)
+#   vllm70   vLLM (PEER_SITE) on the same runs, `--quantization fp8 --load-format dummy` (VLLM_EXTRA: more flags)
 # Usage (device tool): bash benchmarks/gpu/run_fp8.sh DEST [stages...]; BUDGET (s, default 570) bounds the call.
 set -u
 DEST=$1; shift
@@ -14,6 +18,7 @@ STAGES=${*:-test kernels decode8}
 BUDGET=${BUDGET:-570}
 exec > >(tee -a "$DEST/log.txt") 2>&1
 left() { local n=$((BUDGET - SECONDS)); echo $((n > 1 ? n : 1)); }
+cap() { local n; n=$(left); echo $(($1 < n ? $1 : n)); }  # cap SECONDS: at most that, at most what is left
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 source .gpu-bundle/activate
 export PYTHONPATH=$PWD:$PYTHONPATH
@@ -21,6 +26,7 @@ TOK=$PWD/.gpu-bundle/tokenizer
 export RADIXLM_TEST_TOKENIZER=$TOK
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source benchmarks/gpu/serve_lib.sh
 decode() {  # decode CONFIG QUANT OUTNAME BATCHES... (HEAD=--fp8-lm-head: fp8 head; KV=fp8_e4m3: fp8 pool)
   local cfg=$1 q=$2 name=$3; shift 3
   echo "== decode $cfg $q ${HEAD:-} kv ${KV:-auto} ctx ${CONTEXT:-512} ($(left) s left)"
@@ -42,12 +48,30 @@ if stage decode8; then
   decode benchmarks/configs/llama-3.1-8b none decode8b_bf16 1 32 128
   decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8 1 32 128
   HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_head 1 32 128
+  KV=fp8_e4m3 HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_head_kv8 1 32 128
 fi
 if stage kv8; then  # the 8B shape in fp8 with the fp8 head, bf16 pool then e4m3 pool, at a longer context
   CONTEXT=2048 HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_head_ctx2048 1 32 128
   CONTEXT=2048 KV=fp8_e4m3 HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 decode8b_fp8_kv8_ctx2048 1 32 128
 fi
-if stage decode70; then
+if stage decode70; then  # HEADS70="fp8": the fp8 head only
   HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8_head 1 8
-  decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8 1 8
+  [[ "${HEADS70:-fp8 bf16}" == *bf16* ]] && decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8 1 8
+fi
+if stage offline8; then
+  for q in none fp8; do
+    echo "== offline 8b $q ($(left) s left)"
+    head=""; [ $q = fp8 ] && head=fp8_lm_head=true
+    timeout "$(cap 240)" python benchmarks/bench_offline.py --model-path benchmarks/configs/llama-3.1-8b \
+      --load-format dummy --tokenizer-path "$TOK" --num-prompts 256 --input-len 512 --output-len 256 \
+      --out "$DEST/offline8b_$q.json" attention_backend=triton quantization=$q $head 2>&1 | grep -v -i warn | tail -4
+  done
+fi
+WORK70="1000:1000:128 1000:1000:256:256"
+if stage serve70; then
+  HEAD=--fp8-lm-head EXTRA="--kv-cache-dtype ${KV70:-fp8_e4m3}" SERVE_CAP=300 \
+    serve benchmarks/configs/llama-3.1-70b fp8 1 "llama70b_fp8_kv${KV70:-fp8_e4m3}" $WORK70
+fi
+if stage vllm70; then
+  ENGINE=vllm EXTRA="${VLLM_EXTRA:-}" SERVE_CAP=300 serve benchmarks/configs/llama-3.1-70b fp8 1 vllm70b_fp8 $WORK70
 fi
