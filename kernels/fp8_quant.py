@@ -19,7 +19,9 @@ def quantize_tokens_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_tokens_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, USE_PDL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     if USE_PDL:
         # Launched while the kernel before it finishes; the matmul after it may launch at once and start
@@ -27,19 +29,34 @@ def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        v = tl.load(x_row + k0 + offs, mask=(k0 + offs) < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    tl.store(s_ptr + row, scale)
     q_row = q_ptr + row.to(tl.int64) * stride_q
-    for k0 in range(0, K, BLOCK):
-        mask = (k0 + offs) < K
-        v = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        # The whole row in registers: read once. At decode batch sizes this kernel is one program per row, so
+        # its time is that program's latency, and a second pass over the row would double it.
+        mask = offs < K
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
         q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
-        tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            v = tl.load(x_row + k0 + offs, mask=(k0 + offs) < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            mask = (k0 + offs) < K
+            v = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+            tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# Rows up to this long are quantized in one pass (32 values a thread at most, 32 warps): every projection input
+# of the Llama shapes up to 70B (hidden 8192, a tp-1 MLP row 28,672).
+ONE_PASS_MAX = 32768
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +67,10 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
+        block = triton.next_power_of_2(k)
+        one_pass = block <= ONE_PASS_MAX
+        if not one_pass:
+            block = 4096
         _quantize_tokens_kernel[(m,)](
             x,
             q,
@@ -57,8 +78,9 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k,
             x.stride(0),
             q.stride(0),
-            BLOCK=min(4096, triton.next_power_of_2(k)),
-            num_warps=8,
+            ONE_PASS=one_pass,
+            BLOCK=block,
+            num_warps=max(4, min(32, block // 1024)) if one_pass else 8,
             **pdl_args(x.device),
         )
     return q, s

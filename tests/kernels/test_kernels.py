@@ -292,10 +292,10 @@ def test_pull_inputs(ids, n):
     assert static[:ids].tolist() == ring[0, :ids].tolist()  # slot 0 (turn 3) has no futures
 
 
-@pytest.mark.parametrize("m,k", [(1, 96), (5, 4096), (3, 5000)])
+@pytest.mark.parametrize("m,k", [(1, 96), (5, 4096), (3, 5000), (2, 28672), (2, 40000)])
 def test_fp8_quantize_tokens_kernel(m, k):
     """One kernel per row: the same scales and e4m3 values as the torch reference (rows of very different size,
-    a K that is not a power of two, one spanning two tiles)."""
+    a K that is not a power of two, a 70B MLP row read in one pass, one longer row read in tiles twice)."""
     from radixlm.kernels.fp8_quant import quantize_tokens, quantize_tokens_ref
 
     g = torch.Generator().manual_seed(k)
