@@ -48,6 +48,34 @@ def extend_attention_ref(
 
 
 # --- Triton --------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile(q, acc, m_i, l_i, n0, kv_end, q_pos, k_ptr, v_ptr, r2t_row, d, dmask, kvh, stride_ks, stride_kh, stride_vs,
+          stride_vh, qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """One BLOCK_N tile of keys folded into the online softmax; MASKED: bounds and causality checked."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < kv_end
+    if MASKED:
+        slots = tl.load(r2t_row + n, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+    else:
+        slots = tl.load(r2t_row + n).to(tl.int64)
+        kv_mask = dmask[None, :]
+    k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    k = k.to(q.dtype)  # e4m3 KV to the query's dtype; float32 under the interpreter
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        # Key n is visible to query row m when n <= its position; column 0 always is, so no row is all -inf.
+        qk = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["stride_blk"])  # the table's length varies per eager batch: one compile
 def _extend_kernel(
     q_ptr,
@@ -108,24 +136,17 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = prefix + tl.minimum(ext_len, (mb + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < kv_end
-        slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # e4m3 KV to the query's dtype; float32 under the interpreter
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        # Key n is visible to query row m when n <= its position; column 0 always is, so no row is all -inf.
-        qk = tl.where(nmask[None, :] & (n[None, :] <= q_pos[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+    # Keys before the block's first query position are visible to every row of it: those whole tiles need no
+    # causal or bounds mask (most of a long prompt's tiles); only the tiles from there to kv_end are masked.
+    open_end = (prefix + mb * BLOCK_M) // BLOCK_N * BLOCK_N
+    for n0 in range(0, open_end, BLOCK_N):
+        acc, m_i, l_i = _tile(q, acc, m_i, l_i, n0, kv_end, q_pos, k_ptr, v_ptr, r2t_ptr + row * stride_r2t, d,
+                              dmask, kvh, stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, False, BLOCK_N,
+                              DOT_PREC)  # fmt: skip
+    for n0 in range(open_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _tile(q, acc, m_i, l_i, n0, kv_end, q_pos, k_ptr, v_ptr, r2t_ptr + row * stride_r2t, d,
+                              dmask, kvh, stride_ks, stride_kh, stride_vs, stride_vh, qk_scale, True, BLOCK_N,
+                              DOT_PREC)  # fmt: skip
     out = acc * (o_scale / l_i)[:, None]  # o_scale: an FP8 pool's V scale (the output is linear in V)
     tl.store(
         o_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
