@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels import next_pow2
-from radixlm.kernels._triton import gdc_launch_dependents, pdl_enabled, tl, triton
+from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
 
 
 # --- torch references ----------------------------------------------------------------------------------------
@@ -47,11 +47,15 @@ def _rmsnorm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,
+    USE_PDL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    if PDL_TRIGGER:  # a kernel launched after this one may start now: it waits for our output before reading it
+    if USE_PDL:
+        # The kernel after this one may launch now (it waits for our output before reading it), and this one
+        # was launched before the kernel ahead of it finished: it waits for that kernel's output here, instead
+        # of starting only after it (profiled decode steps showed a launch gap before every norm otherwise).
         gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -95,9 +99,9 @@ def _launch(x, residual, weight, eps, out, q=None, scale=None):
         eps,
         HAS_RESIDUAL=residual is not None,
         QUANT=q is not None,
-        PDL_TRIGGER=pdl_enabled(x.device),
         BLOCK=block,
         num_warps=warps,
+        **pdl_args(x.device),
     )
 
 
