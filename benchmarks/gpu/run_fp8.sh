@@ -7,6 +7,7 @@
 #            (triton backend), beside the plain PyTorch graph step
 #   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
 #   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
+#   profile70 the 70B shape in fp8 (fp8 head) at batch 1 and 8, profiled: a kernel-time table per step (DEST/profile70.txt)
 #   offline8 bench_offline on the 8B shape, 256 prompts x 512 in / 256 out, bf16 then fp8 (fp8 head)
 #   serve70  radixlm serving the 70B shape in fp8 (fp8 head, KV70: the pool's dtype, default fp8_e4m3) on this one
 #            GPU: 1,000 in / 1,000 out, 64 users (128 prompts), then 256 users at once (256 prompts)
@@ -57,6 +58,13 @@ fi
 if stage decode70; then  # HEADS70="fp8": the fp8 head only
   HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8_head 1 8
   [[ "${HEADS70:-fp8 bf16}" == *bf16* ]] && decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8 1 8
+fi
+if stage profile70; then
+  timeout "$(cap 300)" python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-70b --load-format dummy \
+    --tokenizer-path "$TOK" --attention-backend triton --quantization fp8 --fp8-lm-head --batch-sizes 1 8 \
+    --context 512 --extend-cuda-graph off --profile "$DEST/profile70.txt" --out "$DEST/profile70.json" 2>&1 |
+    grep -v -i warn | grep -v "skinny matmul:" | tail -4
+  grep -A16 "^timeline" "$DEST/profile70.txt"
 fi
 if stage offline8; then
   for q in none fp8; do
