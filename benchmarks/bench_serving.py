@@ -338,6 +338,7 @@ def main() -> None:
     results, duration = asyncio.run(run(args, specs))
     ok = [r for r in results if r.ok and not r.aborted]
     out_tokens = sum(r.output_tokens for r in ok)
+    first_sent = min((r.times[0] for r in ok), default=0.0)
     report = {
         "label": args.label or args.base_url,
         "config": {k: v for k, v in vars(args).items() if k != "client_cpu"} | {"request_rate": str(args.request_rate)},
@@ -362,9 +363,14 @@ def main() -> None:
         "mean_output_tokens": out_tokens / max(len(ok), 1),
         "mean_prompt_tokens": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
         "output_lens": [r.output_tokens for r in ok],  # in request order
+        # per request, in request order: when it was sent (s after the first) and its TTFT, to tell a burst's
+        # queue from the later arrivals' waits
+        "sent_s": [round(r.times[0] - first_sent, 3) for r in ok],
+        "ttft_by_request_ms": [round(r.ttft * 1e3, 1) for r in ok],
         "client_cpu": args.client_cpu,  # where the client's loop ran and any move off an interrupt-heavy CPU
     }
-    print(json.dumps({k: v for k, v in report.items() if k not in ("config", "output_lens")}, indent=2))
+    per_request = ("config", "output_lens", "sent_s", "ttft_by_request_ms")
+    print(json.dumps({k: v for k, v in report.items() if k not in per_request}, indent=2))
     if args.save_chunk_times:  # perf_counter is CLOCK_MONOTONIC: comparable with the server's step trace
         report["chunk_times"] = [r.times for r in ok]
     if args.out:
