@@ -155,7 +155,8 @@ def test_decode_attention_rows(dtype, splits):
     """The fixed-launch form for the one-token rows of a mixed batch: the row count and split count come from
     the device (`ctl`), room past the count is ignored, and each row's result is bit for bit what the
     per-batch launch with the same split count gives; rows of out that are not its rows stay as they were."""
-    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref, decode_attention_rows
+    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from radixlm.kernels.decode_attention_rows import decode_attention_rows
 
     lens = [9, 70, 1, 33]
     g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, 8, 2, 32, lens, sum(lens) + 8)
