@@ -28,9 +28,10 @@ class KernelOps:
     linear: Callable[..., torch.Tensor] = F.linear
     # (x, gate_up weight, bias) -> silu(gate) * up of the fused projection
     gate_up_silu: Callable[..., torch.Tensor] = lambda x, w, b: silu_and_mul_ref(F.linear(x, w, b))
-    # (x, Fp8Linear) -> x @ W.T, and the fused gate_up + silu of an FP8 gate_up projection
+    # (x, Fp8Linear) -> x @ W.T, and (x, Fp8Linear, rows) -> silu(gate) * up of an FP8 gate_up projection; with
+    # `rows` (the down projection is FP8 too) it may come as Fp8Rows, quantized per token for that projection
     fp8_linear: Callable[..., torch.Tensor] = lambda x, q: q.matmul(x)
-    fp8_gate_up_silu: Callable[..., torch.Tensor] = lambda x, q: silu_and_mul_ref(q.matmul(x))
+    fp8_gate_up_silu: Callable[..., torch.Tensor] = lambda x, q, rows=False: silu_and_mul_ref(q.matmul(x))
     # (x, residual | None, weight, eps) -> (Fp8Rows of rmsnorm(x [+ residual]), the residual stream): the norm
     # before an FP8 projection writing its rows in e4m3; None where the set has no such kernel.
     rmsnorm_fp8: Callable[..., tuple] | None = None
@@ -41,7 +42,7 @@ class KernelOps:
 TORCH_OPS = KernelOps("torch", rmsnorm_ref, fused_add_rmsnorm_ref, silu_and_mul_ref, rope_and_store_ref)
 
 
-def _skinny_linears(silu_and_mul: Callable):
+def _skinny_linears(silu_and_mul: Callable, silu_and_mul_fp8: Callable):
     """linear and gate_up_silu that use our GEMV kernels for the (N, K, batch) where the tuner found them
     faster than cuBLAS, and cuBLAS (+ `silu_and_mul`) elsewhere."""
     from radixlm.kernels.fp8_mm import fp8_mm
@@ -69,9 +70,12 @@ def _skinny_linears(silu_and_mul: Callable):
         pick = tuner.lookup(x.shape[0], q.weight, False) if x.dim() == 2 else None
         return q.matmul(x) if pick is None else fp8_mm_of(x, q, pick[1])
 
-    def fp8_gate_up_silu(x, q):
+    def fp8_gate_up_silu(x, q, rows=False):
         pick = tuner.lookup(x.shape[0], q.weight, True) if x.dim() == 2 else None
-        return silu_and_mul(q.matmul(x)) if pick is None else fp8_mm_of(x, q, pick[1], silu_mul=True)
+        if pick is not None:  # silu fused into our kernel's epilogue; the down projection quantizes its rows
+            return fp8_mm_of(x, q, pick[1], silu_mul=True)
+        y = q.matmul(x)  # the scaled GEMM (large batches): silu and the down projection's quantization in one
+        return Fp8Rows(*silu_and_mul_fp8(y), y.dtype) if rows and y.dim() == 2 else silu_and_mul(y)
 
     return linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner
 
@@ -88,11 +92,11 @@ def fp8_rows_of(norm: Callable) -> Callable:
 
 
 def triton_ops() -> KernelOps:
-    from radixlm.kernels.activation import silu_and_mul
+    from radixlm.kernels.activation import silu_and_mul, silu_and_mul_fp8
     from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm, rmsnorm_fp8
     from radixlm.kernels.rope import rope_and_store
 
-    linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner = _skinny_linears(silu_and_mul)
+    linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner = _skinny_linears(silu_and_mul, silu_and_mul_fp8)
     return KernelOps(
         "triton",
         rmsnorm,
@@ -113,6 +117,7 @@ def flashinfer_ops() -> KernelOps:
     write the cache, so ours saves a pass over K and V)."""
     import flashinfer
 
+    from radixlm.kernels.activation import silu_and_mul_fp8
     from radixlm.kernels.norm import rmsnorm_fp8
     from radixlm.kernels.rope import rope_and_store
 
@@ -120,7 +125,9 @@ def flashinfer_ops() -> KernelOps:
         flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 
-    linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner = _skinny_linears(flashinfer.activation.silu_and_mul)
+    linear, gate_up_silu, fp8_linear, fp8_gate_up_silu, tuner = _skinny_linears(
+        flashinfer.activation.silu_and_mul, silu_and_mul_fp8
+    )
     return KernelOps(
         "flashinfer",
         lambda x, w, eps: flashinfer.norm.rmsnorm(x, w, eps),

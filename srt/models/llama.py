@@ -74,7 +74,9 @@ class MLP(nn.Module):
         # The activation is fused into the gate_up projection where a kernel does that faster.
         up = self.gate_up_proj
         if getattr(up.quant, "scaled", False) and up.bias is None:  # FP8: the op set's fused path
-            return self.down_proj(self.ops.fp8_gate_up_silu(x, up.quant))
+            # an FP8 down projection may take the activation already quantized per token
+            rows = getattr(self.down_proj.quant, "scaled", False)
+            return self.down_proj(self.ops.fp8_gate_up_silu(x, up.quant, rows))
         if up.quant is not None:
             return self.down_proj(self.ops.silu_and_mul(up(x)))
         return self.down_proj(self.ops.gate_up_silu(x, up.weight, up.bias))

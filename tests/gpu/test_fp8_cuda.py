@@ -110,20 +110,27 @@ def test_fp8_kv_cache_against_bf16_kv_on_the_same_weights(setup):
     assert outs["eager"] == outs["graphs+overlap"] == outs["no-overlap"]
 
 
-def test_fp8_norms_quantizing_for_the_projections_change_nothing(setup):
-    """The Triton set's norms write e4m3 rows for qkv and gate_up (one kernel instead of a norm and a
-    quantization launch): the logits are bit for bit those of the set without that kernel, through whichever
-    FP8 kernel the tuner picked per projection."""
+def test_fp8_kernels_quantizing_for_the_projections_change_nothing(setup):
+    """The Triton set's norms write e4m3 rows for qkv and gate_up, and its SiLU-and-mul for down where the scaled
+    GEMM runs gate_up (past the tensor-core kernel's 128 rows): the logits are bit for bit those of the set
+    without those kernels, through whichever FP8 kernel the tuner picked per projection, for a short prompt and
+    one of over 128 tokens."""
     import dataclasses
+
+    from radixlm.srt.layers.ops import KernelOps
 
     d, ids, _ = setup
     engine = _engine(d, quantization="fp8")
     model = engine.runner.model
-    ops = model.model.layers[0].input_layernorm.ops
+    ops: KernelOps = model.model.layers[0].input_layernorm.ops
     assert ops.rmsnorm_fp8 is not None
-    fused = forward_logits(engine, ids)
-    model.set_kernel_ops(dataclasses.replace(ops, rmsnorm_fp8=None))
-    unfused = forward_logits(engine, ids)
-    model.set_kernel_ops(ops)
+    plain = dataclasses.replace(
+        ops, rmsnorm_fp8=None, fp8_gate_up_silu=lambda x, q, rows=False: ops.fp8_gate_up_silu(x, q)
+    )
+    for prompt in (ids, (ids * 4)[:300]):
+        fused = forward_logits(engine, prompt)
+        model.set_kernel_ops(plain)
+        unfused = forward_logits(engine, prompt)
+        model.set_kernel_ops(ops)
+        assert torch.equal(fused, unfused), len(prompt)
     _close(engine)
-    assert torch.equal(fused, unfused)

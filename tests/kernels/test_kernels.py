@@ -311,6 +311,26 @@ def test_fp8_quantize_tokens_kernel(m, k):
         assert torch.equal(q.float(), qr.float())
 
 
+@pytest.mark.parametrize("rows,n", [(1, 96), (4, 5000), (2, 20000)])
+def test_silu_and_mul_fp8_is_the_activation_then_the_token_quantization(rows, n):
+    """SiLU-and-mul writing e4m3 rows for the down projection gives exactly the activation kernel followed by the
+    quantization kernel (a row held in registers, a 5000-wide one not a power of two, a 20000-wide one computed
+    twice); the torch reference agrees to e4m3 rounding."""
+    from radixlm.kernels.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref
+    from radixlm.kernels.fp8_quant import quantize_tokens
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(rows, 2 * n, generator=g) * torch.logspace(-1, 1, rows)[:, None]).to(DEV, torch.bfloat16)
+    want_q, want_s = quantize_tokens(silu_and_mul(x))
+    q, s = silu_and_mul_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, n) and s.shape == (rows, 1)
+    assert torch.equal(s, want_s) and torch.equal(q.float(), want_q.float())
+    rq, rs = silu_and_mul_fp8_ref(x)
+    assert torch.allclose(s, rs, rtol=2e-2)
+    if DEV == "cuda":
+        assert rel_err(q.float() * s, rq.float() * rs) < 3e-2
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("rows,n", [(1, 96), (5, 576)])
 def test_rmsnorm_fp8_is_the_norm_then_the_token_quantization(with_residual, rows, n):

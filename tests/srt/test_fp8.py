@@ -258,29 +258,37 @@ def test_bad_fp8_inputs_are_start_up_errors(tiny, tmp_path):
         _engine(bad)
 
 
-def test_norms_hand_quantized_rows_to_the_fp8_projections(tiny, fp8_anywhere):
-    """Where the op set has a norm that writes e4m3 rows (the Triton set on CUDA), each layer's two norms feed
-    qkv and gate_up with rows already quantized per token: the logits are exactly those of the norm followed by
-    the projection's own quantization, and every such norm ran (here with the torch reference of that kernel,
-    which `tests/kernels/test_kernels.py` holds the Triton kernel to)."""
+def test_quantized_rows_reach_the_fp8_projections(tiny, fp8_anywhere):
+    """Where the op set has kernels that write e4m3 rows (the Triton set on CUDA), each layer's two norms feed
+    qkv and gate_up, and SiLU-and-mul feeds down, rows already quantized per token: the logits are exactly those
+    of each projection quantizing its own input, and every such kernel ran (here with the torch references of
+    those kernels, which `tests/kernels/test_kernels.py` holds the Triton kernels to)."""
     import dataclasses
 
+    from radixlm.kernels.activation import silu_and_mul_fp8_ref
     from radixlm.kernels.norm import rmsnorm_fp8_ref
     from radixlm.srt.layers.ops import TORCH_OPS, fp8_rows_of
+    from radixlm.srt.layers.quantization.fp8 import Fp8Rows
 
     e = _engine(tiny["bf16"], quantization="fp8")
     model = e.runner.model
     want = forward_logits(e, IDS)
     calls = []
-    rows = fp8_rows_of(rmsnorm_fp8_ref)
+    norm_rows = fp8_rows_of(rmsnorm_fp8_ref)
 
-    def counted(x, residual, weight, eps):
-        out = rows(x, residual, weight, eps)
-        calls.append(type(out[0]).__name__)
+    def norm(x, residual, weight, eps):
+        out = norm_rows(x, residual, weight, eps)
+        calls.append(("norm", type(out[0]).__name__))
         return out
 
-    model.set_kernel_ops(dataclasses.replace(TORCH_OPS, rmsnorm_fp8=counted))
+    def gate_up_silu(x, q, rows=False):
+        y = q.matmul(x)
+        calls.append(("silu", rows))
+        return Fp8Rows(*silu_and_mul_fp8_ref(y), y.dtype) if rows else TORCH_OPS.fp8_gate_up_silu(x, q)
+
+    model.set_kernel_ops(dataclasses.replace(TORCH_OPS, rmsnorm_fp8=norm, fp8_gate_up_silu=gate_up_silu))
     got = forward_logits(e, IDS)
     e.shutdown()
-    assert calls == ["Fp8Rows"] * (2 * len(model.model.layers))
+    layers = len(model.model.layers)
+    assert sorted(calls) == sorted([("norm", "Fp8Rows")] * (2 * layers) + [("silu", True)] * layers)
     assert torch.equal(got, want)
