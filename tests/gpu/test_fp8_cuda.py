@@ -30,8 +30,14 @@ SIZES = dict(
     initializer_range=0.02,
 )
 GREEDY = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
-# the paths whose greedy outputs must agree: graphs and overlap (the CUDA default), eager, the plain scheduler
-MODES = {"graphs+overlap": {}, "eager": {"disable_cuda_graph": True}, "no-overlap": {"disable_overlap_schedule": True}}
+# the paths whose greedy outputs must agree: graphs and overlap (the CUDA default), eager, the plain scheduler,
+# piecewise prompt graphs
+MODES = {
+    "graphs+overlap": {},
+    "eager": {"disable_cuda_graph": True},
+    "no-overlap": {"disable_overlap_schedule": True},
+    "piecewise": {"extend_cuda_graph": "piecewise"},  # prompts through the per-layer graphs, not the whole one
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +92,7 @@ def test_fp8_greedy_identical_with_graphs_eager_and_overlap(setup):
         _close(engine)
     assert outs["eager"] == outs["graphs+overlap"]
     assert outs["no-overlap"] == outs["graphs+overlap"]
+    assert outs["piecewise"] == outs["graphs+overlap"]
 
 
 def test_fp8_kv_cache_against_bf16_kv_on_the_same_weights(setup):
@@ -107,7 +114,7 @@ def test_fp8_kv_cache_against_bf16_kv_on_the_same_weights(setup):
             assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.7
         outs[name] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
         _close(engine)
-    assert outs["eager"] == outs["graphs+overlap"] == outs["no-overlap"]
+    assert outs["eager"] == outs["graphs+overlap"] == outs["no-overlap"] == outs["piecewise"]
 
 
 def test_fp8_kernels_quantizing_for_the_projections_change_nothing(setup):
