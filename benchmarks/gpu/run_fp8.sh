@@ -8,6 +8,8 @@
 #   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
 #   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
 #   profile70 the 70B shape in fp8 (fp8 head) at batch 1 and 8, profiled: a kernel-time table per step (DEST/profile70.txt)
+#   ab70     the 70B fp8 step at batch 1 and 8 from BEFORE (default .before: tools/export_rev.sh REV, carried) and
+#            from this tree, in turn, twice: a change's effect on one machine
 #   offline8 bench_offline on the 8B shape, 256 prompts x 512 in / 256 out, bf16 then fp8 (fp8 head)
 #   serve70  radixlm serving the 70B shape in fp8 (fp8 head, KV70: the pool's dtype, default fp8_e4m3) on this one
 #            GPU: 1,000 in / 1,000 out, 64 users (128 prompts), then 256 users at once (256 prompts)
@@ -65,6 +67,21 @@ if stage profile70; then
     --context 512 --extend-cuda-graph off --profile "$DEST/profile70.txt" --out "$DEST/profile70.json" 2>&1 |
     grep -v -i warn | grep -v "skinny matmul:" | tail -4
   grep -A16 "^timeline" "$DEST/profile70.txt"
+fi
+if stage ab70; then
+  before=$PWD/${BEFORE:-.before}
+  [ -d "$before/srt" ] || { echo "ab70: no $before (tools/export_rev.sh REV, then carry it)"; exit 1; }
+  for round in 1 2; do
+    for side in before now; do
+      root=$PWD; [ $side = before ] && root=$before
+      echo "== ab70 $side ($(cat "$before/REV" 2>/dev/null || true)) round $round ($(left) s left)"
+      PYTHONPATH=$root:$PYTHONPATH timeout "$(cap 240)" python "$root/benchmarks/bench_decode.py" \
+        --model-path benchmarks/configs/llama-3.1-70b --load-format dummy --tokenizer-path "$TOK" \
+        --attention-backend triton --quantization fp8 --fp8-lm-head --batch-sizes 1 8 --context 512 \
+        --extend-cuda-graph off --out "$DEST/ab70_${side}_$round.json" 2>&1 | grep -v -i warn |
+        grep -v "skinny matmul:" | tail -2
+    done
+  done
 fi
 if stage offline8; then
   for q in none fp8; do
