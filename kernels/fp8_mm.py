@@ -158,18 +158,19 @@ def fp8_mm(
     config: tuple[int, int, int, int, int] | None = None,
     silu_mul: bool = False,
     x_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [M, K] in bf16/fp16 (quantized per token here first; or, with `x_scale` [M] / [M, 1], already e4m3),
-    w [N, K] e4m3 with `scale` [N] float32 -> [M, N] in x's dtype (`out_dtype` for e4m3 x). `silu_mul`: w holds gate
-    rows then up rows and the result is silu(gate) * up, [M, N / 2]."""
+    w [N, K] e4m3 with `scale` [N] float32 -> [M, N] in `out_dtype` (default: x's dtype, bf16 for e4m3 x).
+    `silu_mul`: w holds gate rows then up rows and the result is silu(gate) * up, [M, N / 2]."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     block_n, block_k, warps, stages, split = config or CONFIGS[bucket(m)][0]
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if x_scale is not None else x.dtype
     if x_scale is None:
         from radixlm.kernels.fp8_quant import quantize_tokens  # noqa: PLC0415
 
-        out_dtype = x.dtype
         x, x_scale = quantize_tokens(x)
     if silu_mul and block_n > 64:
         block_n //= 2  # two accumulators
