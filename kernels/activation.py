@@ -1,4 +1,5 @@
-"""SiLU(gate) * up over the fused gate_up projection's output."""
+"""SiLU(gate) * up over the fused gate_up projection's output; or that written straight in e4m3 with a scale per
+token for an FP8 down projection."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels._triton import tl, triton
+from radixlm.kernels.fp8_quant import quantize_tokens_ref, row_scale, store_e4m3
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -14,15 +16,23 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _act(x_row, cols, mask, n_cols):
+    """silu(gate) * up at `cols` of a gate_up row, rounded to the row's dtype as the torch reference rounds it
+    (silu(gate) first, then the product), in float32."""
+    ty = x_row.dtype.element_ty
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    return (act * up).to(ty).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    # Round silu(gate) to the activation dtype before the product, as the torch reference does.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _act(x_ptr + row * stride_x, cols, mask, n_cols)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -39,45 +49,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 rows [T, N], float32 scales [T, 1]) of silu_and_mul(x), as `silu_and_mul_fp8`."""
-    from radixlm.kernels.fp8_quant import quantize_tokens_ref  # noqa: PLC0415
-
     return quantize_tokens_ref(silu_and_mul_ref(x))
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, ONE_PASS: tl.constexpr, BLOCK: tl.constexpr, OUT_TY: tl.constexpr
-):
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, ONE_PASS: tl.constexpr,
+                             BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = offs < n_cols
-        y = _act(x_row, offs, mask, n_cols, OUT_TY)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+        y = _act(x_row, offs, mask, n_cols)
+        scale = row_scale(tl.max(tl.abs(y), axis=0))
         tl.store(s_ptr + row, scale)
-        tl.store(q_row + offs, tl.minimum(tl.maximum(y / scale, -448.0), 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+        store_e4m3(q_row + offs, y, scale, mask)
     else:  # the row is computed twice (once for its largest value, once to store it): no bf16 copy kept
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, n_cols, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_act(x_row, c0 + offs, (c0 + offs) < n_cols, n_cols, OUT_TY)))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+            amax = tl.maximum(amax, tl.abs(_act(x_row, c0 + offs, (c0 + offs) < n_cols, n_cols)))
+        scale = row_scale(tl.max(amax, axis=0))
         tl.store(s_ptr + row, scale)
         for c0 in range(0, n_cols, BLOCK):
             mask = (c0 + offs) < n_cols
-            y = _act(x_row, c0 + offs, mask, n_cols, OUT_TY)
-            q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-            tl.store(q_row + c0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _act(x_row, cols, mask, n_cols, OUT_TY: tl.constexpr):
-    """silu(gate) * up at `cols`, rounded as `_silu_and_mul_kernel` stores it (to OUT_TY), in float32."""
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(OUT_TY).to(tl.float32)
-    return (act * up).to(OUT_TY).to(tl.float32)
+            store_e4m3(q_row + c0 + offs, _act(x_row, c0 + offs, mask, n_cols), scale, mask)
 
 
 # Rows of up to this many products are computed once, in registers (a 70B MLP row at tp 2 and above, 8B at tp 1);
@@ -107,7 +103,6 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             n,
             ONE_PASS=one_pass,
             BLOCK=block,
-            OUT_TY={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype],
             num_warps=max(4, min(16, block // 1024)),
         )
     return q, s

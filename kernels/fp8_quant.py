@@ -18,6 +18,20 @@ def quantize_tokens_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+# The per-token arithmetic every kernel that writes e4m3 rows shares (this one, the norm's and SiLU-and-mul's):
+# one definition, so their values stay bit-identical.
+@triton.jit
+def row_scale(amax):
+    """A row's scale from its largest magnitude: amax / 448, kept finite for an all-zero row."""
+    return tl.maximum(amax / 448.0, 1e-12)
+
+
+@triton.jit
+def store_e4m3(ptrs, v, scale, mask):
+    """v / scale, clamped into e4m3's range, stored at `ptrs` (e4m3)."""
+    tl.store(ptrs, tl.minimum(tl.maximum(v / scale, -448.0), 448.0).to(ptrs.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _quantize_tokens_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, USE_PDL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK: tl.constexpr
@@ -36,22 +50,20 @@ def _quantize_tokens_kernel(
         # its time is that program's latency, and a second pass over the row would double it.
         mask = offs < K
         v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, 1e-12)
+        scale = row_scale(tl.max(tl.abs(v), axis=0))
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        store_e4m3(q_row + offs, v, scale, mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             v = tl.load(x_row + k0 + offs, mask=(k0 + offs) < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        scale = row_scale(tl.max(amax, axis=0))
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             mask = (k0 + offs) < K
             v = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
-            tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            store_e4m3(q_row + k0 + offs, v, scale, mask)
 
 
 # Rows up to this long are quantized in one pass (32 values a thread at most, 32 warps): every projection input

@@ -8,6 +8,7 @@ import torch
 
 from radixlm.kernels import next_pow2
 from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
+from radixlm.kernels.fp8_quant import quantize_tokens_ref, row_scale, store_e4m3
 
 
 # --- torch references ----------------------------------------------------------------------------------------
@@ -25,8 +26,6 @@ def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch
 
 def rmsnorm_fp8_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(e4m3 rows, float32 scales [T, 1], residual stream) of rmsnorm(x [+ residual]), as `rmsnorm_fp8`."""
-    from radixlm.kernels.fp8_quant import quantize_tokens_ref  # noqa: PLC0415
-
     y, res = (rmsnorm_ref(x, weight, eps), x) if residual is None else fused_add_rmsnorm_ref(x, residual, weight, eps)
     return (*quantize_tokens_ref(y), res)
 
@@ -73,10 +72,9 @@ def _rmsnorm_kernel(
         # Exactly what quantizing the stored rows (fp8_quant.quantize_tokens) computes: the row rounded to the
         # activation dtype first, then amax / 448 as its scale; greedy answers do not change with the fusion.
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+        scale = row_scale(tl.max(tl.abs(y), axis=0))
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        tl.store(q_ptr + row * stride_out + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        store_e4m3(q_ptr + row * stride_out + cols, y, scale, mask)
     else:
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -134,21 +134,20 @@ class Fp8Linear:
         return self.weight.shape[0]
 
     def matmul(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        if isinstance(x, Fp8Rows):
-            out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-            y = torch._scaled_mm(x.q, self.weight.t(), scale_a=x.scale, scale_b=self.scale, out_dtype=out_dtype)
-            return y.to(x.dtype)
-        lead, k = x.shape[:-1], x.shape[-1]
-        if x.is_cuda:
-            from radixlm.kernels.fp8_quant import quantize_tokens as fused  # noqa: PLC0415
-
-            xq, xs = fused(x.reshape(-1, k))
+        if isinstance(x, Fp8Rows):  # quantized per token already, by the kernel that produced it
+            xq, xs, dtype, lead = x.q, x.scale, x.dtype, x.shape[:-1]
         else:
-            xq, xs = quantize_tokens(x.reshape(-1, k))
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+            dtype, lead, k = x.dtype, x.shape[:-1], x.shape[-1]
+            if x.is_cuda:
+                from radixlm.kernels.fp8_quant import quantize_tokens as fused  # noqa: PLC0415
+
+                xq, xs = fused(x.reshape(-1, k))
+            else:
+                xq, xs = quantize_tokens(x.reshape(-1, k))
+        out_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
         # scale_b [1, N] with scale_a [M, 1]: cuBLASLt's row-wise scaling, applied to the fp32 accumulator
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out_dtype)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+        return y.to(dtype).reshape(*lead, self.out_features)
 
     def nbytes(self) -> int:
         return self.weight.numel() + 4 * self.scale.numel()
