@@ -30,13 +30,16 @@ export RADIXLM_TEST_TOKENIZER=$TOK
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 source benchmarks/gpu/serve_lib.sh
-decode() {  # decode CONFIG QUANT OUTNAME BATCHES... (HEAD=--fp8-lm-head: fp8 head; KV=fp8_e4m3: fp8 pool)
-  local cfg=$1 q=$2 name=$3; shift 3
-  echo "== decode $cfg $q ${HEAD:-} kv ${KV:-auto} ctx ${CONTEXT:-512} ($(left) s left)"
-  timeout $(left) python benchmarks/bench_decode.py --model-path $cfg --load-format dummy --tokenizer-path $TOK \
-    --attention-backend triton --quantization $q ${HEAD:-} --kv-cache-dtype ${KV:-auto} --batch-sizes "$@" \
-    --context ${CONTEXT:-512} --extend-cuda-graph off \
-    --out "$DEST/$name.json" 2>&1 | grep -v -i warn | tail -12
+# decode CONFIG QUANT OUTNAME BATCHES... (HEAD=--fp8-lm-head: fp8 head; KV=fp8_e4m3: fp8 pool; PROFILE=FILE: a
+# kernel-time table per batch; ROOT=DIR: the runtime of another tree, e.g. tools/export_rev.sh's)
+decode() {
+  local cfg=$1 q=$2 name=$3 root=${ROOT:-$PWD}; shift 3
+  echo "== decode $cfg $q ${HEAD:-} kv ${KV:-auto} ctx ${CONTEXT:-512} from $root ($(left) s left)"
+  PYTHONPATH=$root:$PYTHONPATH timeout $(left) python "$root/benchmarks/bench_decode.py" --model-path $cfg \
+    --load-format dummy --tokenizer-path $TOK --attention-backend triton --quantization $q ${HEAD:-} \
+    --kv-cache-dtype ${KV:-auto} --batch-sizes "$@" --context ${CONTEXT:-512} --extend-cuda-graph off \
+    ${PROFILE:+--profile "$PROFILE"} --out "$DEST/$name.json" 2>&1 | grep -v -i warn | grep -v "skinny matmul:" |
+    tail -12
 }
 if stage test; then
   timeout $(left) python -m pytest -q -m gpu tests/kernels/test_kernels.py tests/gpu/test_fp8_cuda.py -k fp8 2>&1 |
@@ -62,25 +65,16 @@ if stage decode70; then  # HEADS70="fp8": the fp8 head only
   [[ "${HEADS70:-fp8 bf16}" == *bf16* ]] && decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8 1 8
 fi
 if stage profile70; then
-  timeout "$(cap 300)" python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-70b --load-format dummy \
-    --tokenizer-path "$TOK" --attention-backend triton --quantization fp8 --fp8-lm-head --batch-sizes 1 8 \
-    --context 512 --extend-cuda-graph off --profile "$DEST/profile70.txt" --out "$DEST/profile70.json" 2>&1 |
-    grep -v -i warn | grep -v "skinny matmul:" | tail -4
+  PROFILE=$DEST/profile70.txt HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 profile70 1 8
   grep -A16 "^timeline" "$DEST/profile70.txt"
 fi
 if stage ab70; then
   before=$PWD/${BEFORE:-.before}
   [ -d "$before/srt" ] || { echo "ab70: no $before (tools/export_rev.sh REV, then carry it)"; exit 1; }
+  echo "ab70: before is $(cat "$before/REV" 2>/dev/null || echo '?')"
   for round in 1 2; do
-    for side in before now; do
-      root=$PWD; [ $side = before ] && root=$before
-      echo "== ab70 $side ($(cat "$before/REV" 2>/dev/null || true)) round $round ($(left) s left)"
-      PYTHONPATH=$root:$PYTHONPATH timeout "$(cap 240)" python "$root/benchmarks/bench_decode.py" \
-        --model-path benchmarks/configs/llama-3.1-70b --load-format dummy --tokenizer-path "$TOK" \
-        --attention-backend triton --quantization fp8 --fp8-lm-head --batch-sizes 1 8 --context 512 \
-        --extend-cuda-graph off --out "$DEST/ab70_${side}_$round.json" 2>&1 | grep -v -i warn |
-        grep -v "skinny matmul:" | tail -2
-    done
+    ROOT=$before HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 "ab70_before_$round" 1 8
+    HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 "ab70_now_$round" 1 8
   done
 fi
 if stage offline8; then
