@@ -8,6 +8,8 @@
 #   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
 #   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
 #   profile70 the 70B shape in fp8 (fp8 head) at batch 1 and 8, profiled: a kernel-time table per step (DEST/profile70.txt)
+#   steady70 the 70B shape in fp8 (fp8 head, e4m3 pool) at batch 1, 64 and 160 at context 1,500, profiled: the
+#            serving runs' steady decode step (DEST/steady70.txt)
 #   ab70     the 70B fp8 step at batch 1 and 8 from BEFORE (default .before: tools/export_rev.sh REV, carried) and
 #            from this tree, in turn, twice: a change's effect on one machine
 #   offline8 bench_offline on the 8B shape, 256 prompts x 512 in / 256 out, bf16 then fp8 (fp8 head)
@@ -68,6 +70,11 @@ if stage profile70; then
   PROFILE=$DEST/profile70.txt HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 profile70 1 8
   grep -A16 "^timeline" "$DEST/profile70.txt"
 fi
+if stage steady70; then
+  CONTEXT=1500 KV=fp8_e4m3 PROFILE=$DEST/steady70.txt HEAD=--fp8-lm-head \
+    decode benchmarks/configs/llama-3.1-70b fp8 steady70 1 64 160
+  grep -A14 "^timeline" "$DEST/steady70.txt"
+fi
 if stage ab70; then
   before=$PWD/${BEFORE:-.before}
   [ -d "$before/srt" ] || { echo "ab70: no $before (tools/export_rev.sh REV, then carry it)"; exit 1; }
@@ -86,7 +93,7 @@ if stage offline8; then
       --out "$DEST/offline8b_$q.json" attention_backend=triton quantization=$q $head 2>&1 | grep -v -i warn | tail -4
   done
 fi
-WORK70="1000:1000:128 1000:1000:256:256"
+WORK70=${WORK70:-1000:1000:128 1000:1000:256:256}  # RADIXLM_STEP_TRACE=DIR: the servers' step records
 if stage serve70; then
   HEAD=--fp8-lm-head EXTRA="--kv-cache-dtype ${KV70:-fp8_e4m3}" SERVE_CAP=300 \
     serve benchmarks/configs/llama-3.1-70b fp8 1 "llama70b_fp8_kv${KV70:-fp8_e4m3}" $WORK70
