@@ -51,10 +51,6 @@ def _attend_split(
     kvh,
     s,
     num_splits,
-    mid_o_ptr,
-    mid_lse_ptr,
-    mo_base,
-    ml_base,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -62,8 +58,6 @@ def _attend_split(
     stride_vs,
     stride_vh,
     stride_r2t,
-    stride_moh,
-    stride_mlh,
     qk_scale,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -71,10 +65,12 @@ def _attend_split(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr,
+    F16_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Split `s` of `num_splits` of one request's KV for the query heads of KV head `kvh`: the partial output
-    goes to mid_o[mo_base + head * stride_moh], its log-sum-exp to mid_lse[ml_base + head * stride_mlh]."""
+    """Split `s` of `num_splits` of one request's KV for the query heads of KV head `kvh`: the split's
+    normalized output [BLOCK_H, BLOCK_D] (float32) and its log-sum-exp [BLOCK_H] (log2 units; -inf for an empty
+    split, which a merge weighs as zero)."""
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -89,7 +85,9 @@ def _attend_split(
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )
-    if F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
+    if F16_DOT:  # e4m3 KV: e4m3 -> f16 is one exact instruction, e4m3 -> bf16 is not (see decode_attention)
+        q = q.to(tl.float16)
+    elif F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -100,7 +98,7 @@ def _attend_split(
         slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # e4m3 KV to the query's dtype; float32 under the interpreter
+        k = k.to(q.dtype)  # e4m3 KV to the dot's dtype
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -111,12 +109,36 @@ def _attend_split(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    # An empty split (short request, many splits) stores lse = -inf, which the merge weighs as zero.
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(mid_o_ptr + mo_base + heads[:, None] * stride_moh + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
-    tl.store(mid_lse_ptr + ml_base + heads * stride_mlh, lse, mask=hmask)
+    return out, lse
+
+
+@triton.jit
+def _store_split(
+    out,
+    lse,
+    kvh,
+    mid_o_ptr,
+    mid_lse_ptr,
+    mo_base,
+    ml_base,
+    stride_moh,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """A split's result into the partials a merge reads: mid_o[mo_base + head * stride_moh], mid_lse[ml_base +
+    head * stride_mlh]."""
+    g = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    mask = (g < GROUP)[:, None] & (d < D)[None, :]
+    tl.store(mid_o_ptr + mo_base + heads[:, None] * stride_moh + d[None, :], out, mask=mask)
+    tl.store(mid_lse_ptr + ml_base + heads * stride_mlh, lse, mask=g < GROUP)
 
 
 @triton.jit
@@ -161,6 +183,7 @@ def _decode_stage1(
     lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    out_ptr,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -173,7 +196,10 @@ def _decode_stage1(
     stride_mos,
     stride_mlb,
     stride_mlh,
+    stride_ob,
+    stride_oh,
     qk_scale,
+    o_scale,
     num_splits,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -181,8 +207,10 @@ def _decode_stage1(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr,
+    F16_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_QROWS: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -192,7 +220,7 @@ def _decode_stage1(
         qb = tl.load(qrows_ptr + b).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
-    _attend_split(
+    out, lse = _attend_split(
         q_ptr,
         qb,
         k_ptr,
@@ -203,10 +231,6 @@ def _decode_stage1(
         kvh,
         s,
         num_splits,
-        mid_o_ptr,
-        mid_lse_ptr,
-        b * stride_mob + s * stride_mos,
-        b * stride_mlb + s,
         stride_qb,
         stride_qh,
         stride_ks,
@@ -214,8 +238,6 @@ def _decode_stage1(
         stride_vs,
         stride_vh,
         stride_r2t,
-        stride_moh,
-        stride_mlh,
         qk_scale,
         GROUP=GROUP,
         BLOCK_H=BLOCK_H,
@@ -223,8 +245,31 @@ def _decode_stage1(
         D=D,
         BLOCK_D=BLOCK_D,
         F32_DOT=F32_DOT,
+        F16_DOT=F16_DOT,
         DOT_PREC=DOT_PREC,
     )
+    if DIRECT:  # one split: its output is the answer (times an FP8 pool's V scale: the output is linear in V)
+        g = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (g < GROUP)[:, None] & (d < D)[None, :]
+        ptrs = out_ptr + qb * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :]
+        tl.store(ptrs, (out * o_scale).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        _store_split(
+            out,
+            lse,
+            kvh,
+            mid_o_ptr,
+            mid_lse_ptr,
+            b * stride_mob + s * stride_mos,
+            b * stride_mlb + s,
+            stride_moh,
+            stride_mlh,
+            GROUP=GROUP,
+            BLOCK_H=BLOCK_H,
+            D=D,
+            BLOCK_D=BLOCK_D,
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_mlb", "stride_mlh"])  # one kernel whatever the split count
@@ -274,6 +319,19 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(MAX_SPLITS, math.ceil(2 * num_sms / max(1, batch_size * num_kv_heads))))
 
 
+def launch_defaults(kv_dtype: torch.dtype, num_splits: int, block_n: int | None, num_stages: int | None):
+    """Keys per tile and pipeline stages where the caller gives none (benchmarks/gpu/tune_decode_attention.py).
+    A bf16 pool: many splits (small batches) leave each split a few hundred keys, and smaller tiles finish sooner
+    (about 15% at batch 1, context 512). An e4m3 pool: tiles of 128 keys (as many bytes as 64 bf16 keys) and
+    three stages, 1.1-1.6x the bf16 settings from batch 1 to 160 at context 1,500."""
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    if block_n is None:
+        block_n = 128 if fp8 else 32 if num_splits >= 8 else 64
+    if num_stages is None:
+        num_stages = 3 if fp8 else 2
+    return block_n, num_stages
+
+
 def decode_attention(
     q,
     k_cache,
@@ -287,15 +345,20 @@ def decode_attention(
     block_n: int | None = None,
     q_rows: torch.Tensor | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    f16_dot: bool | None = None,
+    direct: bool | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (e4m3 with `k_scale` / `v_scale`, or q's dtype);
     req_to_token: [rows, max_ctx] int32;
     req_pool_indices/seq_lens: [B]. Reads only tensors: capturable in a CUDA graph. With `q_rows` ([B] int64),
     request i's query is q[q_rows[i]] and its output goes to out[q_rows[i]] (one-token rows of a larger
-    batch, read and written in place, without a gather and a scatter around the call)."""
+    batch, read and written in place, without a gather and a scatter around the call).
+    `f16_dot` (default: for an e4m3 pool): the dots in float16, the query rounded to it, since e4m3 widens to
+    float16 exactly in one instruction; `direct` (default: one split): stage 1 writes the output and no merge
+    runs."""
     h, d = q.shape[1], q.shape[2]
     b = q.shape[0] if q_rows is None else q_rows.shape[0]
     kvh = k_cache.shape[1]
@@ -305,12 +368,19 @@ def decode_attention(
     if b == 0:
         return out
     assert 1 <= num_splits <= MAX_SPLITS
-    if block_n is None:
-        # Many splits (small batches) leave each split a few hundred keys: smaller tiles finish sooner (about
-        # 15% at batch 1, context 512: benchmarks/gpu/tune_decode_attention.py).
-        block_n = 32 if num_splits >= 8 else 64
-    mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    block_n, num_stages = launch_defaults(k_cache.dtype, num_splits, block_n, num_stages)
+    if f16_dot is None:
+        f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    if direct is None:
+        direct = num_splits == 1
+    assert not direct or num_splits == 1
+    if direct:  # no partials: the output is written in stage 1 (the pointers below are never read)
+        mid_o, mid_lse = out, out
+        mo_strides, ml_strides = (0, 0, 0), (0, 0)
+    else:
+        mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+        mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
     block_d = next_pow2(d)
     rows_arg = q_rows if q_rows is not None else seq_lens  # any int tensor when unused (HAS_QROWS=False)
     _decode_stage1[(b, kvh, num_splits)](
@@ -323,6 +393,7 @@ def decode_attention(
         seq_lens,
         mid_o,
         mid_lse,
+        out,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -330,12 +401,12 @@ def decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         req_to_token.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
+        *mo_strides,
+        *ml_strides,
+        out.stride(0),
+        out.stride(1),
         sm_scale * k_scale * _LOG2E,
+        v_scale,
         num_splits,
         GROUP=group,
         BLOCK_H=max(16, next_pow2(group)),
@@ -343,11 +414,15 @@ def decode_attention(
         D=d,
         BLOCK_D=block_d,
         F32_DOT=INTERPRET,
+        F16_DOT=f16_dot,
         DOT_PREC=dot_precision(q.dtype),
         HAS_QROWS=q_rows is not None,
+        DIRECT=direct,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if direct:
+        return out
     _decode_stage2[(b, h)](
         mid_o,
         mid_lse,

@@ -8,7 +8,15 @@ import torch
 
 from radixlm.kernels import INTERPRET, dot_precision, next_pow2
 from radixlm.kernels._triton import tl, triton
-from radixlm.kernels.decode_attention import _LOG2E, MAX_SPLITS, _attend_split, _merge_splits, decode_num_splits
+from radixlm.kernels.decode_attention import (
+    _LOG2E,
+    MAX_SPLITS,
+    _attend_split,
+    _merge_splits,
+    _store_split,
+    decode_num_splits,
+    launch_defaults,
+)
 
 
 # Rows of a mixed batch (one-token requests riding along a prompt chunk) in a fixed launch: how many rows there
@@ -46,6 +54,7 @@ def _rows_stage1(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr,
+    F16_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     n = tl.load(ctl_ptr).to(tl.int32)
@@ -61,7 +70,7 @@ def _rows_stage1(
     row = tl.load(rows_ptr + b).to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
     mid = (b * splits + s).to(tl.int64)
-    _attend_split(
+    out, lse = _attend_split(
         q_ptr,
         qb,
         k_ptr,
@@ -72,10 +81,6 @@ def _rows_stage1(
         kvh,
         s,
         splits,
-        mid_o_ptr,
-        mid_lse_ptr,
-        mid * stride_moi,
-        mid * stride_mli,
         stride_qb,
         stride_qh,
         stride_ks,
@@ -83,8 +88,6 @@ def _rows_stage1(
         stride_vs,
         stride_vh,
         stride_r2t,
-        stride_moh,
-        1,
         qk_scale,
         GROUP=GROUP,
         BLOCK_H=BLOCK_H,
@@ -92,7 +95,23 @@ def _rows_stage1(
         D=D,
         BLOCK_D=BLOCK_D,
         F32_DOT=F32_DOT,
+        F16_DOT=F16_DOT,
         DOT_PREC=DOT_PREC,
+    )
+    _store_split(
+        out,
+        lse,
+        kvh,
+        mid_o_ptr,
+        mid_lse_ptr,
+        mid * stride_moi,
+        mid * stride_mli,
+        stride_moh,
+        1,
+        GROUP=GROUP,
+        BLOCK_H=BLOCK_H,
+        D=D,
+        BLOCK_D=BLOCK_D,
     )
 
 
@@ -158,7 +177,7 @@ def decode_attention_rows(
     sm_scale: float,
     out: torch.Tensor,
     max_items: int,
-    block_n: int = 64,
+    block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
@@ -173,6 +192,8 @@ def decode_attention_rows(
     mid_o = torch.empty((max_items, h, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((max_items, h), dtype=torch.float32, device=q.device)
     block_d = next_pow2(d)
+    # the split count is the device's, so the tile is chosen as for a few splits (many rows)
+    block_n, num_stages = launch_defaults(k_cache.dtype, 1, block_n, None)
     _rows_stage1[(max_items * kvh,)](
         q,
         q_rows,
@@ -202,9 +223,10 @@ def decode_attention_rows(
         D=d,
         BLOCK_D=block_d,
         F32_DOT=INTERPRET,
+        F16_DOT=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,  # as decode_attention's default
         DOT_PREC=dot_precision(q.dtype),
         num_warps=4,
-        num_stages=2,
+        num_stages=num_stages,
     )
     _rows_stage2[(q_rows.shape[0] * h,)](
         mid_o,

@@ -14,7 +14,8 @@
 #            from this tree, in turn, twice: a change's effect on one machine
 #   offline8 bench_offline on the 8B shape, 256 prompts x 512 in / 256 out, bf16 then fp8 (fp8 head)
 #   serve70  radixlm serving the 70B shape in fp8 (fp8 head, KV70: the pool's dtype, default fp8_e4m3) on this one
-#            GPU: 1,000 in / 1,000 out, 64 users (128 prompts), then 256 users at once (256 prompts)
+#            GPU: 1,000 in / 1,000 out, 64 users (128 prompts), then 256 users at once (256 prompts) (EXTRA70: more
+#            server flags, TAG70 appended to the file names)
 #   vllm70   vLLM (PEER_SITE) on the same runs, `--quantization fp8 --load-format dummy` (VLLM_EXTRA: more flags)
 # Usage (device tool): bash benchmarks/gpu/run_fp8.sh DEST [stages...]; BUDGET (s, default 570) bounds the call.
 set -u
@@ -95,8 +96,8 @@ if stage offline8; then
 fi
 WORK70=${WORK70:-1000:1000:128 1000:1000:256:256}  # RADIXLM_STEP_TRACE=DIR: the servers' step records
 if stage serve70; then
-  HEAD=--fp8-lm-head EXTRA="--kv-cache-dtype ${KV70:-fp8_e4m3}" SERVE_CAP=300 \
-    serve benchmarks/configs/llama-3.1-70b fp8 1 "llama70b_fp8_kv${KV70:-fp8_e4m3}" $WORK70
+  HEAD=--fp8-lm-head EXTRA="--kv-cache-dtype ${KV70:-fp8_e4m3} ${EXTRA70:-}" SERVE_CAP=300 \
+    serve benchmarks/configs/llama-3.1-70b fp8 1 "llama70b_fp8_kv${KV70:-fp8_e4m3}${TAG70:-}" $WORK70
 fi
 if stage vllm70; then
   ENGINE=vllm EXTRA="${VLLM_EXTRA:-}" SERVE_CAP=300 serve benchmarks/configs/llama-3.1-70b fp8 1 vllm70b_fp8 $WORK70

@@ -1,6 +1,9 @@
-"""Sweep the decode attention kernel's launch settings on the GPU (8B shape: 32 query heads, 8 KV heads, head
-size 128, bf16, page size 1 with KV slots scattered over the pool) and report time and bandwidth per setting,
-beside the default. Usage: python benchmarks/gpu/tune_decode_attention.py --out tune.json"""
+"""Sweep the decode attention kernel's launch settings on the GPU and report time and bandwidth per setting,
+beside the default (page size 1, KV slots scattered over the pool). Shapes: --heads/--kv-heads (8B: 32/8, 70B:
+64/8), head size 128; --kv-dtype e4m3 also sweeps the float16 dots (`f16_dot`); a one-split setting is timed
+with its output written by stage 1 (`direct`) and with the merge.
+Usage: python benchmarks/gpu/tune_decode_attention.py --batch-sizes 64 160 --context 1500 --heads 64 \
+    --kv-dtype e4m3 --out tune.json"""
 
 from __future__ import annotations
 
@@ -13,19 +16,19 @@ import torch
 
 from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
 
-H, KVH, D = 32, 8, 128
+D = 128
 
 
-def setup(bs: int, ctx: int, gen: torch.Generator):
+def setup(bs: int, ctx: int, h: int, kvh: int, kv_dtype: torch.dtype, gen: torch.Generator):
     total = bs * ctx
     pool = total + 4096
-    k = torch.randn(pool, KVH, D, generator=gen).to("cuda", torch.bfloat16)
-    v = torch.randn(pool, KVH, D, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.randn(pool, kvh, D, generator=gen).to("cuda", kv_dtype)
+    v = torch.randn(pool, kvh, D, generator=gen).to("cuda", kv_dtype)
     slots = (torch.randperm(pool - 1, generator=gen)[:total] + 1).to(torch.int32).view(bs, ctx)
     r2t = torch.zeros(bs + 1, ctx + 8, dtype=torch.int32)
     r2t[1:, :ctx] = slots
     rows = torch.arange(1, bs + 1)
-    q = torch.randn(bs, H, D, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(bs, h, D, generator=gen).to("cuda", torch.bfloat16)
     lens = torch.full((bs,), ctx, dtype=torch.int32)
     return q, k, v, r2t.cuda(), rows.cuda(), lens.cuda()
 
@@ -47,71 +50,66 @@ def time_us(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def settings(bs: int, kvh: int, sms: int, fp8: bool):
+    splits = sorted(
+        {max(1, min(16, math.ceil(w * sms / (bs * kvh)))) for w in (1, 2, 4, 8)} | {decode_num_splits(bs, kvh, sms)}
+    )
+    for s, block_n, warps, stages, f16 in itertools.product(
+        splits, (32, 64, 128), (4, 8), (2, 3, 4), (True, False) if fp8 else (False,)
+    ):
+        for direct in (True, False) if s == 1 else (False,):
+            yield {"splits": s, "block_n": block_n, "warps": warps, "stages": stages, "f16_dot": f16, "direct": direct}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--kv-dtype", choices=["bf16", "e4m3"], default="bf16")
+    ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    fp8 = args.kv_dtype == "e4m3"
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
     results = []
     for bs in args.batch_sizes:
-        q, k, v, r2t, rows, lens = setup(bs, args.context, gen)
+        q, k, v, r2t, rows, lens = setup(bs, args.context, args.heads, args.kv_heads, kv_dtype, gen)
         ref = decode_attention_ref(q[:2], k, v, r2t, rows[:2], lens[:2], D**-0.5)
-        nbytes = bs * args.context * KVH * D * 2 * 2
-        default_splits = decode_num_splits(bs, KVH, sms)
-        split_choices = sorted(
-            {max(1, min(16, math.ceil(w * sms / (bs * KVH)))) for w in (1, 2, 4, 8)} | {default_splits}
-        )
-        rows_out = []
-        for splits, block_n, warps, stages in itertools.product(split_choices, (32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+        nbytes = bs * args.context * args.kv_heads * D * 2 * kv_dtype.itemsize
+        default = {"splits": decode_num_splits(bs, args.kv_heads, sms), "block_n": None, "warps": 4, "stages": 2}
+        found = []
+        for st in [default, *settings(bs, args.kv_heads, sms, fp8)]:
             out = torch.empty_like(q)
-            fn = lambda: decode_attention(  # noqa: E731
-                q,
-                k,
-                v,
-                r2t,
-                rows,
-                lens,
-                D**-0.5,
-                splits,
-                out=out,
-                block_n=block_n,
-                num_warps=warps,
-                num_stages=stages,
-            )
+            kw = dict(out=out, block_n=st["block_n"], num_warps=st["warps"], num_stages=st["stages"])
+            if "f16_dot" in st:
+                kw.update(f16_dot=st["f16_dot"], direct=st["direct"])
+            fn = lambda: decode_attention(q, k, v, r2t, rows, lens, D**-0.5, st["splits"], **kw)  # noqa: E731
             try:
                 us = time_us(fn)
             except Exception as e:  # a setting this GPU cannot run (shared memory)
-                print(f"bs {bs} splits {splits} block_n {block_n} warps {warps} stages {stages}: {type(e).__name__}")
+                print(f"bs {bs} {st}: {type(e).__name__}")
                 continue
             err = ((out[:2].float() - ref.float()).norm() / ref.float().norm()).item()
-            rows_out.append(
-                {
-                    "batch": bs,
-                    "splits": splits,
-                    "block_n": block_n,
-                    "warps": warps,
-                    "stages": stages,
-                    "us": us,
-                    "tb_per_s": nbytes / us / 1e6,
-                    "rel_err": err,
-                    "default": (splits, block_n, warps, stages) == (default_splits, 64, 4, 2),
-                }
-            )
-        rows_out.sort(key=lambda r: r["us"])
-        default = next(r for r in rows_out if r["default"])
-        print(f"batch {bs} ctx {args.context}: default {default['us']:.1f} us ({default['tb_per_s']:.2f} TB/s)")
-        for r in rows_out[:6]:
+            tag = "default" if st is default else ""
+            found.append({"batch": bs, **st, "us": us, "tb_per_s": nbytes / us / 1e6, "rel_err": err, "tag": tag})
+        found.sort(key=lambda r: r["us"])
+        d = next(r for r in found if r["tag"] == "default")
+        print(f"batch {bs} ctx {args.context} kv {args.kv_dtype}: default {d['us']:.1f} us ({d['tb_per_s']:.2f} TB/s)")
+        for r in found[: args.top]:
             print(
-                f"   splits {r['splits']:2d} block_n {r['block_n']:3d} warps {r['warps']} stages {r['stages']}: "
-                f"{r['us']:7.1f} us {r['tb_per_s']:.2f} TB/s err {r['rel_err']:.1e}"
+                f"   splits {r['splits']:2d} block_n {r['block_n']} warps {r['warps']} stages {r['stages']} "
+                f"f16 {r.get('f16_dot')} direct {r.get('direct')}: {r['us']:7.1f} us {r['tb_per_s']:.2f} TB/s "
+                f"err {r['rel_err']:.1e}"
             )
-        results += rows_out
+        results += found
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "context": args.context, "rows": results}, f, indent=1)
+            meta = {k: getattr(args, k) for k in ("context", "heads", "kv_heads", "kv_dtype")}
+            json.dump({"device": torch.cuda.get_device_name(0), **meta, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":
