@@ -121,7 +121,15 @@ class ServerArgs:
         "overlap scheduling on a CPU device too (it runs on CUDA only "
         "by default, where the forward is asynchronous); for tests",
     )
-    enable_mixed_chunk: bool = _opt(False, "let running requests decode in the same batch as a prefill chunk")
+    enable_mixed_chunk: bool = _opt(
+        False,
+        "let running requests decode in the same batch as a prefill chunk (the default on CUDA; on a CPU, see "
+        "--decode-prefill-budget)",
+    )
+    disable_mixed_chunk: bool = _opt(
+        False,
+        "CUDA: running requests wait while prompt chunks prefill (lower ITL tail, higher TTFT under bursts)",
+    )
     decode_prefill_budget: int | None = _opt(
         None,
         "while requests are decoding, the most prompt tokens one step "
