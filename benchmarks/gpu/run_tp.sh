@@ -54,16 +54,17 @@ if stage decode; then
   timeout "$(cap 60)" python .gpu-bundle/plain_graph_decode.py 1024 512 1,32,128 2>&1 | tail -4 | tee "$DEST/plain_graph.txt"
   for tp in $TPS; do decode none decode8b_bf16 "$tp"; done
 fi
+WORKTP=${WORKTP:-512:256:128 1000:1000:128}  # the serve70 and vllm70 workloads
 if stage serve70; then
   for tp in $TPS; do
     [ "$tp" -gt 1 ] || continue
-    HEAD=--fp8-lm-head serve benchmarks/configs/llama-3.1-70b fp8 "$tp" "llama70b_fp8_tp$tp" 512:256:128 1000:1000:128
+    HEAD=--fp8-lm-head serve benchmarks/configs/llama-3.1-70b fp8 "$tp" "llama70b_fp8_tp$tp" $WORKTP
   done
 fi
 if stage vllm70; then
   for tp in $TPS; do
     [ "$tp" -gt 1 ] || continue
-    ENGINE=vllm serve benchmarks/configs/llama-3.1-70b fp8 "$tp" "vllm70b_fp8_tp$tp" 512:256:128 1000:1000:128
+    ENGINE=vllm serve benchmarks/configs/llama-3.1-70b fp8 "$tp" "vllm70b_fp8_tp$tp" $WORKTP
   done
 fi
 if stage decode8; then
