@@ -81,10 +81,7 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule and (
             runner.device.type == "cuda" or args.force_overlap_schedule
         )
-        # On CUDA a prompt chunk is compute-bound and the running requests' decode rows ride along almost free; with
-        # them waiting instead, requests that arrive together finish together and the next burst queues behind
-        # one another's prefill (1,000 in / 1,000 out at 64 users: TTFT p50 4.7 s waiting, 3.2 s riding).
-        self.mixed_chunk = args.enable_mixed_chunk or (runner.device.type == "cuda" and not args.disable_mixed_chunk)
+        self.mixed_chunk = args.mixed_chunks(runner.device.type)
         # While streams decode, a step takes at most this many prompt tokens and the decodes ride along: on a CPU
         # a whole prompt's prefill is many decode steps long, and every stream would wait for it.
         budget = args.decode_prefill_budget

@@ -68,3 +68,16 @@ def test_a_long_prompt_does_not_stall_a_decoding_stream(tiny_dir, overlap):
 def test_budget_flag_is_checked():
     with pytest.raises(ValueError, match="decode_prefill_budget"):
         radixlm.ServerArgs(decode_prefill_budget=0)
+
+
+def test_mixed_chunks_default_on_cuda_only_and_contradicting_flags_are_refused():
+    """Running requests ride along prompt chunks by default on CUDA (what the GPU default runs; the CPU tests
+    exercise it with --enable-mixed-chunk), not on a CPU; --disable-mixed-chunk turns the CUDA default off, and
+    both flags together are an error rather than one silently winning."""
+    from radixlm.srt.server_args import ServerArgs
+
+    assert ServerArgs().mixed_chunks("cuda") and not ServerArgs().mixed_chunks("cpu")
+    assert not ServerArgs(disable_mixed_chunk=True).mixed_chunks("cuda")
+    assert ServerArgs(enable_mixed_chunk=True).mixed_chunks("cpu")
+    with pytest.raises(ValueError, match="contradict"):
+        ServerArgs(enable_mixed_chunk=True, disable_mixed_chunk=True)
