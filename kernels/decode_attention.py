@@ -85,8 +85,9 @@ def _attend_split(
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )
-    if F16_DOT:  # e4m3 KV: e4m3 -> f16 is one exact instruction, e4m3 -> bf16 is not (see decode_attention)
-        q = q.to(tl.float16)
+    if F16_DOT:  # e4m3 KV: e4m3 -> f16 is one exact instruction, e4m3 -> bf16 is not (see decode_attention);
+        # a query element past float16's range saturates instead of becoming inf
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     elif F32_DOT:  # Triton's interpreter cannot multiply bf16 tiles
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
