@@ -49,7 +49,8 @@ RUNS = {
     "graphs+overlap": {},
     "eager": {"disable_cuda_graph": True},
     "no-overlap": {"disable_overlap_schedule": True},
-    "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 64},
+    "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 64},  # (mixed chunks are the CUDA default)
+    "no-mixed": {"disable_mixed_chunk": True, "chunked_prefill_size": 64},
 }
 
 
