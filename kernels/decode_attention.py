@@ -2,9 +2,11 @@
 
 Stage 1 gives each (request, KV head, split) its own program: it walks its share of the request's KV slots and
 keeps a running softmax for all the query heads of that KV head's group at once (a [group, D] x [D, N] dot, so
-GQA uses the tensor cores). Stage 2 merges the splits by their log-sum-exp. Splitting the KV lets one request
-with a long context fill the GPU ("flash-decoding"); the number of splits is fixed per batch size, so the
-launch is the same on every replay of a CUDA graph while the per-request split length follows `seq_lens`.
+GQA uses the tensor cores). Stage 2 merges the splits by their log-sum-exp; with one split (large batches)
+stage 1 writes the output itself. Splitting the KV lets one request with a long context fill the GPU
+("flash-decoding"); the number of splits is fixed per batch size, so the launch is the same on every replay of a
+CUDA graph while the per-request split length follows `seq_lens`. An e4m3 pool is read as float16 tiles (see
+`decode_attention`'s `f16_dot`).
 """
 
 from __future__ import annotations
