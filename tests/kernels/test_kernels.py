@@ -369,6 +369,7 @@ def test_rmsnorm_fp8_is_the_norm_then_the_token_quantization(with_residual, rows
         (20, 64, 256, False, False, 1),
         (2, 96, 256, False, True, 1),
         (5, 192, 640, False, True, 3),
+        (40, 256, 512, True, False, 2),  # a 128-row weight tile (block_n below) over 64 padded batch rows
     ],
 )
 def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split):
@@ -391,7 +392,7 @@ def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split):
     if fused:
         gate, up = want.chunk(2, dim=-1)
         want = torch.nn.functional.silu(gate) * up
-    cfg = (64, 128, 4, 2, split)
+    cfg = (128 if m > 32 else 64, 128, 4, 2, split)
     for _ in range(2):
         if prequant:
             got = fp8_mm(xq, wq, scale, config=cfg, x_scale=xs, silu_mul=fused)
