@@ -119,6 +119,16 @@ def _attend_split(
 
 
 @triton.jit
+def _store_heads(ptr, base, stride_h, tile, kvh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr):  # fmt: skip
+    """A [BLOCK_H, BLOCK_D] tile of KV head `kvh`'s query heads to ptr[base + head * stride_h + d]."""
+    g = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (g < GROUP)[:, None] & (d < D)[None, :]
+    tl.store(ptr + base + (kvh * GROUP + g)[:, None] * stride_h + d[None, :], tile, mask=mask)
+
+
+@triton.jit
 def _store_split(
     out,
     lse,
@@ -136,12 +146,9 @@ def _store_split(
 ):
     """A split's result into the partials a merge reads: mid_o[mo_base + head * stride_moh], mid_lse[ml_base +
     head * stride_mlh]."""
+    _store_heads(mid_o_ptr, mo_base, stride_moh, out, kvh, GROUP=GROUP, BLOCK_H=BLOCK_H, D=D, BLOCK_D=BLOCK_D)
     g = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + g
-    d = tl.arange(0, BLOCK_D)
-    mask = (g < GROUP)[:, None] & (d < D)[None, :]
-    tl.store(mid_o_ptr + mo_base + heads[:, None] * stride_moh + d[None, :], out, mask=mask)
-    tl.store(mid_lse_ptr + ml_base + heads * stride_mlh, lse, mask=g < GROUP)
+    tl.store(mid_lse_ptr + ml_base + (kvh * GROUP + g) * stride_mlh, lse, mask=g < GROUP)
 
 
 @triton.jit
@@ -252,11 +259,8 @@ def _decode_stage1(
         DOT_PREC=DOT_PREC,
     )
     if DIRECT:  # one split: its output is the answer (times an FP8 pool's V scale: the output is linear in V)
-        g = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        mask = (g < GROUP)[:, None] & (d < D)[None, :]
-        ptrs = out_ptr + qb * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :]
-        tl.store(ptrs, (out * o_scale).to(out_ptr.dtype.element_ty), mask=mask)
+        tile = (out * o_scale).to(out_ptr.dtype.element_ty)
+        _store_heads(out_ptr, qb * stride_ob, stride_oh, tile, kvh, GROUP=GROUP, BLOCK_H=BLOCK_H, D=D, BLOCK_D=BLOCK_D)
     else:
         _store_split(
             out,
