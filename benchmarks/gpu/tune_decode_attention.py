@@ -80,7 +80,8 @@ def main() -> None:
         q, k, v, r2t, rows, lens = setup(bs, args.context, args.heads, args.kv_heads, kv_dtype, gen)
         ref = decode_attention_ref(q[:2], k, v, r2t, rows[:2], lens[:2], D**-0.5)
         nbytes = bs * args.context * args.kv_heads * D * 2 * kv_dtype.itemsize
-        default = {"splits": decode_num_splits(bs, args.kv_heads, sms), "block_n": None, "warps": 4, "stages": 2}
+        # the kernel's own choices (launch_defaults: tiles and stages by KV dtype and split count)
+        default = {"splits": decode_num_splits(bs, args.kv_heads, sms), "block_n": None, "warps": 4, "stages": None}
         found = []
         for st in [default, *settings(bs, args.kv_heads, sms, fp8)]:
             out = torch.empty_like(q)
