@@ -102,6 +102,17 @@ def test_jump_forward_under_overlap_is_opt_in():
     assert events["default"] == 0 and events["enabled"] > 0, events
 
 
+def _compiled(engine, prompts, params) -> list[dict]:
+    """The answers to a warm-up whose grammars must compile first. On a loaded host a first compile can outlast
+    the strict engines' limit; its request then ends with the timeout while the compile goes on and is cached,
+    so the warm-up is asked again (bounded) until it is answered."""
+    for _ in range(30):
+        outs = engine.generate(prompts, params)
+        if all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in outs):
+            break
+    return outs
+
+
 @pytest.fixture(scope="module")
 def strict_engines():
     """Per backend, built on first use: jump-forward off and a short compile timeout."""
@@ -390,19 +401,15 @@ def test_slow_compile_times_out_without_stalling_others(strict_engines, backend)
     sch = engine.scheduler
     assert engine.server_args.grammar_compile_timeout == COMPILE_TIMEOUT_S
     # Warm up: build the backend's vocabulary index and the JSON grammar below, so that what the normal requests
-    # compile takes milliseconds, far within the time limit. On a loaded host the first compile can outlast the
-    # strict limit itself; its request then ends with the timeout while the compile goes on and is cached, so
-    # the warm-up is asked again (bounded) until it is answered.
-    for _ in range(30):
-        warm = engine.generate(
-            ["My favourite pet is a ", "Describe a pet owner in JSON: "],
-            [
-                {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
-                {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
-            ],
-        )
-        if all(w["meta_info"]["finish_reason"]["type"] != "abort" for w in warm):
-            break
+    # compile takes milliseconds, far within the time limit.
+    warm = _compiled(
+        engine,
+        ["My favourite pet is a ", "Describe a pet owner in JSON: "],
+        [
+            {"regex": r"(cat|dog|bird)", **GREEDY, "max_new_tokens": 8},
+            {"json_schema": SMALL_SCHEMA, **GREEDY, "max_new_tokens": 40},
+        ],
+    )
     assert re.fullmatch(r"(cat|dog|bird)", warm[0]["text"])
     jsonschema.validate(json.loads(warm[1]["text"]), SMALL_SCHEMA)
     before = _grammar_stats(engine)
@@ -456,12 +463,7 @@ def test_jump_forward_saves_forward_passes(backend_engines, strict_engines, back
     sp = {"json_schema": JF_SCHEMA, **GREEDY, "max_new_tokens": JF_MAX_NEW_TOKENS}
     results = {}
     for name, engine in (("on", on), ("off", off)):
-        # The schema compiled first (and cached): on a loaded host its first compile can outlast the strict
-        # engine's 1 s limit, and that request ends with the timeout while the compile goes on (bounded retries).
-        for _ in range(30):
-            warm = engine.generate(JF_PROMPTS[:1], {**sp, "max_new_tokens": 1})
-            if warm[0]["meta_info"]["finish_reason"]["type"] != "abort":
-                break
+        _compiled(engine, JF_PROMPTS[:1], {**sp, "max_new_tokens": 1})  # the schema compiled (and cached) first
         assert_engine_idle(engine)
         passes, grammar = _forward_passes(engine), _grammar_stats(engine)
         outs = engine.generate(JF_PROMPTS, sp)
