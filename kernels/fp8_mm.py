@@ -43,6 +43,37 @@ def _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, s
 
 
 @triton.jit
+def _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, n_mask, m_mask, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
+            count_ptr, stride_om, up_offset, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+            SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, stride_om, up_offset,
+                  HAS_BIAS, SILU_MUL)  # fmt: skip
+    else:
+        # Split K: each program leaves its partial sums in the workspace; the last of a tile's SPLIT_K programs
+        # to arrive (a counter per tile) adds them up, runs the epilogue and resets the counter for the next launch.
+        tile = pid_m * tl.num_programs(0) + pid_n
+        cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        parts = part_ptr + tile.to(tl.int64) * (SPLIT_K * 2 * BLOCK_N * BLOCK_M)
+        tl.store(parts + pid_k * BLOCK_N * BLOCK_M + cell, acc)
+        if SILU_MUL:
+            tl.store(parts + (SPLIT_K + pid_k) * BLOCK_N * BLOCK_M + cell, acc_up)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(parts + s * BLOCK_N * BLOCK_M + cell, cache_modifier=".cg")
+                if SILU_MUL:
+                    acc_up += tl.load(parts + (SPLIT_K + s) * BLOCK_N * BLOCK_M + cell, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)
+            _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, stride_om, up_offset,
+                      HAS_BIAS, SILU_MUL)  # fmt: skip
+
+
+@triton.jit
 def _fp8_mm_kernel(
     x_ptr,
     xs_ptr,
@@ -97,31 +128,62 @@ def _fp8_mm_kernel(
             acc_up = tl.dot(_load_tile(u_rows, k0, K, rk, n_mask, EVEN_K), xt, acc_up)
     if USE_PDL:
         gdc_launch_dependents()
-    xs = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
-    if SPLIT_K == 1:
-        _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, stride_om, up_offset,
-                  HAS_BIAS, SILU_MUL)  # fmt: skip
-    else:
-        # Split K: each program leaves its partial sums in the workspace; the last of a tile's SPLIT_K programs
-        # to arrive (a counter per tile) adds them up, runs the epilogue and resets the counter for the next launch.
-        tile = pid_m * tl.num_programs(0) + pid_n
-        cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        parts = part_ptr + tile.to(tl.int64) * (SPLIT_K * 2 * BLOCK_N * BLOCK_M)
-        tl.store(parts + pid_k * BLOCK_N * BLOCK_M + cell, acc)
+    _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, n_mask, m_mask, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
+            count_ptr, stride_om, up_offset, HAS_BIAS, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
+def _fp8_mm_tma_kernel(
+    x_desc,
+    xs_ptr,
+    w_desc,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_om,
+    up_offset,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`_fp8_mm_kernel` with its tiles fetched by the copy engine (TMA descriptors): no address arithmetic or
+    masks in the loop (the hardware fills rows and columns past the tensor with zeros) and the tiles land in
+    shared memory without passing through registers, which leaves the warps to the MMAs."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    m0 = pid_m * BLOCK_M
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w = w_desc.load([n0, k_lo])  # the weights first, before waiting for the kernel before (PDL)
+    if SILU_MUL:
+        u = w_desc.load([n0 + up_offset, k_lo])
+    if USE_PDL:
+        gdc_wait()
+    xt = tl.trans(x_desc.load([m0, k_lo]))
+    acc = tl.dot(w, xt)
+    acc_up = tl.dot(u, xt) if SILU_MUL else acc
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        xt = tl.trans(x_desc.load([m0, k0]))
+        acc = tl.dot(w_desc.load([n0, k0]), xt, acc)
         if SILU_MUL:
-            tl.store(parts + (SPLIT_K + pid_k) * BLOCK_N * BLOCK_M + cell, acc_up)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
-                acc += tl.load(parts + s * BLOCK_N * BLOCK_M + cell, cache_modifier=".cg")
-                if SILU_MUL:
-                    acc_up += tl.load(parts + (SPLIT_K + s) * BLOCK_N * BLOCK_M + cell, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + tile, 0)
-            _epilogue(acc, acc_up, xs, rn, rm, n_mask, m_mask, ws_ptr, b_ptr, out_ptr, stride_om, up_offset,
-                      HAS_BIAS, SILU_MUL)  # fmt: skip
+            acc_up = tl.dot(w_desc.load([n0 + up_offset, k0]), xt, acc_up)
+    if USE_PDL:
+        gdc_launch_dependents()
+    _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, rn < N, rm < M, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
+            count_ptr, stride_om, up_offset, HAS_BIAS, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) candidates per batch bucket; the tuner times them per shape
@@ -136,13 +198,23 @@ _SPLIT_64 = [(64, 256, 4, 4, 3), (64, 256, 4, 4, 4), (64, 128, 4, 4, 2), (64, 12
 # traffic (the 70B qkv, split 4 over 64-row tiles, ran at 45% of HBM bandwidth in a 64-request step on an H200).
 _SPLIT_64 += [(128, 128, 8, 4, 2), (128, 128, 8, 4, 4)]
 _SPLIT_128 = [(64, 128, 4, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 2), (64, 256, 4, 4, 4)]
-CONFIGS: dict[int, list[tuple[int, int, int, int, int]]] = {
-    16: [(*c, 1) for c in _ONE] + _SPLIT,
-    32: [(*c, 1) for c in _ONE] + _SPLIT[:3],
+POINTER_LOADS, TMA_LOADS, TMA_WS = 0, 1, 2  # how a config's tiles reach shared memory (the 6th field)
+# The same tiles fetched by TMA (tiles of at most 256 per side). The pointer loads' best tile reached 72-75% of
+# HBM bandwidth on the 70B shapes' gate_up and down at 64 rows and 36-57% on qkv and o (an H200).
+_TMA = [(64, 256, 4, 4, 1), (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (128, 256, 8, 4, 1), (64, 256, 4, 4, 2),
+        (128, 128, 8, 4, 2), (128, 256, 8, 3, 2), (64, 256, 4, 4, 4), (128, 128, 8, 4, 4)]  # fmt: skip
+_TMA_CANDIDATES = [(*c, TMA_LOADS) for c in _TMA] + [
+    (*c, TMA_WS) for c in [(128, 256, 8, 3, 1), (64, 256, 4, 4, 2), (128, 128, 8, 4, 2)]
+]
+CONFIGS: dict[int, list[tuple[int, ...]]] = {
+    16: [(*c, 1) for c in _ONE] + _SPLIT + _TMA_CANDIDATES,
+    32: [(*c, 1) for c in _ONE] + _SPLIT[:3] + _TMA_CANDIDATES,
     64: [(64, 128, 4, 4, 1), (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (64, 256, 4, 3, 1), (64, 256, 4, 4, 2)]
-    + _SPLIT_64,
+    + _SPLIT_64
+    + _TMA_CANDIDATES,
     128: [(128, 128, 8, 4, 1), (64, 128, 4, 4, 1), (128, 256, 8, 3, 1), (256, 128, 8, 3, 1), (128, 256, 8, 3, 2)]
-    + _SPLIT_128,
+    + _SPLIT_128
+    + _TMA_CANDIDATES,
 }
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 16
@@ -158,17 +230,20 @@ def fp8_mm(
     w: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     silu_mul: bool = False,
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [M, K] in bf16/fp16 (quantized per token here first; or, with `x_scale` [M] / [M, 1], already e4m3),
     w [N, K] e4m3 with `scale` [N] float32 -> [M, N] in `out_dtype` (default: x's dtype, bf16 for e4m3 x).
-    `silu_mul`: w holds gate rows then up rows and the result is silu(gate) * up, [M, N / 2]."""
+    `silu_mul`: w holds gate rows then up rows and the result is silu(gate) * up, [M, N / 2].
+    `config`: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, LOADS]) with LOADS one of POINTER_LOADS (the
+    default), TMA_LOADS, TMA_WS (TMA with the loop warp-specialized: producer warps feed the MMA warps)."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
-    block_n, block_k, warps, stages, split = config or CONFIGS[bucket(m)][0]
+    block_n, block_k, warps, stages, split, *rest = config or CONFIGS[bucket(m)][0]
+    loads = rest[0] if rest else POINTER_LOADS
     if out_dtype is None:
         out_dtype = torch.bfloat16 if x_scale is not None else x.dtype
     if x_scale is None:
@@ -189,12 +264,37 @@ def fp8_mm(
             counters = _COUNTERS[x.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=x.device)
         part = torch.empty(grid[0] * grid[1] * split * 2 * block_n * block_m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    common = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(x.device))  # fmt: skip
+    bias_arg = bias if bias is not None else scale
+    if loads != POINTER_LOADS and _tma_ok(x, w):
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
+
+        _fp8_mm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [block_m, block_k]),
+            x_scale.reshape(-1),
+            TensorDescriptor.from_tensor(w, [block_n, block_k]),
+            scale.reshape(-1),
+            bias_arg,
+            out,
+            part,
+            counters,
+            m,
+            n,
+            k,
+            out.stride(0),
+            n,
+            k_per_split,
+            WARP_SPECIALIZE=loads == TMA_WS,
+            **common,
+        )
+        return out
     _fp8_mm_kernel[grid](
         x,
         x_scale.reshape(-1),
         w,
         scale.reshape(-1),
-        bias if bias is not None else scale,
+        bias_arg,
         out,
         part,
         counters,
@@ -206,15 +306,15 @@ def fp8_mm(
         out.stride(0),
         n,
         k_per_split,
-        HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0,
-        SPLIT_K=split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=stages,
-        **pdl_args(x.device),
+        **common,
     )
     return out
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine can address these matrices: rows contiguous, base and row stride on 16 bytes (a
+    view that is not falls back to pointer loads with the same tiles)."""
+    return all(
+        t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors
+    )

@@ -82,6 +82,13 @@ def main() -> None:
                 r["fp8_mma_us"] = mma
                 ok = {c: t for c, t in mma.items() if t is not None}
                 r["fp8_mma_best"] = min(ok.items(), key=lambda kv: kv[1]) if ok else None
+                # the best config per way of loading tiles (the 6th field; 5 fields: pointer loads)
+                by_loads: dict[int, float] = {}
+                for cfg in MMA_CONFIGS[bucket(m)]:
+                    t, loads = mma[str(cfg)], cfg[5] if len(cfg) > 5 else 0
+                    if t is not None and t < by_loads.get(loads, float("inf")):
+                        by_loads[loads] = t
+                r["fp8_mma_best_by_loads"] = by_loads
                 ref = G._silu_mul(G.scaled_mm_ref(x, wq, ws)) if fused else G.scaled_mm_ref(x, wq, ws)
                 if ok:
                     got = fp8_mm(x, wq, ws, None, eval(r["fp8_mma_best"][0]), fused)
@@ -99,7 +106,8 @@ def main() -> None:
                     f"{r['fp8_scaled_mm_us'] or 0:7.1f}  mma "
                     f"{r['fp8_mma_best'][1] if ok else 0:7.1f} {r['fp8_mma_best'][0] if ok else ''}"
                     f"  best {fp8_best:7.1f}"
-                    f" us ({r['fp8_GBps']:5.0f} GB/s, {bf16_best / fp8_best:.2f}x)",
+                    f" us ({r['fp8_GBps']:5.0f} GB/s, {bf16_best / fp8_best:.2f}x)  by loads (pointer/tma/tma+ws) "
+                    + "/".join(f"{by_loads[i]:.1f}" if i in by_loads else "-" for i in range(3)),
                     flush=True,
                 )
             del c16, c8, w16, wq

@@ -362,20 +362,25 @@ def test_rmsnorm_fp8_is_the_norm_then_the_token_quantization(with_residual, rows
 
 
 @pytest.mark.parametrize(
-    "m,n,k,fused,prequant,split",
+    "m,n,k,fused,prequant,split,loads",
     [
-        (1, 64, 256, False, False, 1),
-        (3, 128, 384, True, False, 2),
-        (20, 64, 256, False, False, 1),
-        (2, 96, 256, False, True, 1),
-        (5, 192, 640, False, True, 3),
-        (40, 256, 512, True, False, 2),  # a 128-row weight tile (block_n below) over 64 padded batch rows
+        (1, 64, 256, False, False, 1, 0),
+        (3, 128, 384, True, False, 2, 0),
+        (20, 64, 256, False, False, 1, 0),
+        (2, 96, 256, False, True, 1, 0),
+        (5, 192, 640, False, True, 3, 0),
+        (40, 256, 512, True, False, 2, 0),  # a 128-row weight tile (block_n below) over 64 padded batch rows
+        # tiles fetched by TMA descriptors: rows and K past the matrix come back as zeros, not from a mask
+        (3, 96, 400, False, False, 1, 1),
+        (40, 192, 640, True, True, 3, 1),
+        (20, 128, 512, True, False, 2, 2),
     ],
 )
-def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split):
+def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split, loads):
     """W8A8 on the tensor cores: the product of x quantized per token (here, or beforehand) and the e4m3 rows
     times their scales, as the scaled GEMM computes it; K not a multiple of the tile, N not of the MMA height,
-    K split across programs (the last to arrive sums the parts; run twice: it must leave its counters at 0)."""
+    K split across programs (the last to arrive sums the parts; run twice: it must leave its counters at 0); the
+    tiles loaded through pointers and masks, or by TMA descriptors (with the loop warp-specialized: 2)."""
     from radixlm.kernels.fp8_mm import fp8_mm
     from radixlm.kernels.fp8_quant import quantize_tokens
 
@@ -392,7 +397,7 @@ def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split):
     if fused:
         gate, up = want.chunk(2, dim=-1)
         want = torch.nn.functional.silu(gate) * up
-    cfg = (128 if m > 32 else 64, 128, 4, 2, split)
+    cfg = (128 if m > 32 else 64, 128, 4, 2, split, loads)
     for _ in range(2):
         if prequant:
             got = fp8_mm(xq, wq, scale, config=cfg, x_scale=xs, silu_mul=fused)
