@@ -151,7 +151,6 @@ def _fp8_mm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     USE_PDL: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -175,7 +174,7 @@ def _fp8_mm_tma_kernel(
     xt = tl.trans(x_desc.load([m0, k_lo]))
     acc = tl.dot(w, xt)
     acc_up = tl.dot(u, xt) if SILU_MUL else acc
-    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         xt = tl.trans(x_desc.load([m0, k0]))
         acc = tl.dot(w_desc.load([n0, k0]), xt, acc)
         if SILU_MUL:
@@ -198,14 +197,12 @@ _SPLIT_64 = [(64, 256, 4, 4, 3), (64, 256, 4, 4, 4), (64, 128, 4, 4, 2), (64, 12
 # traffic (the 70B qkv, split 4 over 64-row tiles, ran at 45% of HBM bandwidth in a 64-request step on an H200).
 _SPLIT_64 += [(128, 128, 8, 4, 2), (128, 128, 8, 4, 4)]
 _SPLIT_128 = [(64, 128, 4, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 2), (64, 256, 4, 4, 4)]
-POINTER_LOADS, TMA_LOADS, TMA_WS = 0, 1, 2  # how a config's tiles reach shared memory (the 6th field)
-# The same tiles fetched by TMA (tiles of at most 256 per side). The pointer loads' best tile reached 72-75% of
-# HBM bandwidth on the 70B shapes' gate_up and down at 64 rows and 36-57% on qkv and o (an H200).
-_TMA = [(64, 256, 4, 4, 1), (128, 128, 8, 4, 1), (128, 256, 8, 3, 1), (128, 256, 8, 4, 1), (64, 256, 4, 4, 2),
-        (128, 128, 8, 4, 2), (128, 256, 8, 3, 2), (64, 256, 4, 4, 4), (128, 128, 8, 4, 4)]  # fmt: skip
-_TMA_CANDIDATES = [(*c, TMA_LOADS) for c in _TMA] + [
-    (*c, TMA_WS) for c in [(128, 256, 8, 3, 1), (64, 256, 4, 4, 2), (128, 128, 8, 4, 2)]
-]
+POINTER_LOADS, TMA_LOADS = 0, 1  # how a config's tiles reach shared memory (the 6th field)
+# The same tiles fetched by TMA, where they measured faster than pointer loads on an H200 (by 1-3%: o and down at
+# 64 rows, gate_up at 1-32; bench_fp8_mm.py). A warp-specialized loop (Triton 3.6's `warp_specialize`) was never
+# faster there, and its split-K programs left tile counters set (a wrong sum in every later split on those tiles).
+_TMA_CANDIDATES = [(*c, TMA_LOADS) for c in [(64, 256, 4, 4, 1), (128, 128, 8, 4, 1), (64, 256, 4, 4, 2),
+                                              (128, 256, 8, 3, 2)]]  # fmt: skip
 CONFIGS: dict[int, list[tuple[int, ...]]] = {
     16: [(*c, 1) for c in _ONE] + _SPLIT + _TMA_CANDIDATES,
     32: [(*c, 1) for c in _ONE] + _SPLIT[:3] + _TMA_CANDIDATES,
@@ -218,6 +215,17 @@ CONFIGS: dict[int, list[tuple[int, ...]]] = {
 }
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 16
+
+
+def counters_at_rest(device: torch.device) -> bool:
+    """Whether every split-K tile counter on `device` is back at 0, as each launch's last program leaves its
+    tiles'. One left set would make the next split launch on that tile sum the wrong partials: a tuner drops the
+    config that did it, and this zeroes them again."""
+    counters = _COUNTERS.get(device)
+    if counters is None or not bool(counters.any()):
+        return True
+    counters.zero_()
+    return False
 
 
 def bucket(m: int) -> int:
@@ -238,8 +246,8 @@ def fp8_mm(
     """x [M, K] in bf16/fp16 (quantized per token here first; or, with `x_scale` [M] / [M, 1], already e4m3),
     w [N, K] e4m3 with `scale` [N] float32 -> [M, N] in `out_dtype` (default: x's dtype, bf16 for e4m3 x).
     `silu_mul`: w holds gate rows then up rows and the result is silu(gate) * up, [M, N / 2].
-    `config`: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, LOADS]) with LOADS one of POINTER_LOADS (the
-    default), TMA_LOADS, TMA_WS (TMA with the loop warp-specialized: producer warps feed the MMA warps)."""
+    `config`: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, LOADS]) with LOADS POINTER_LOADS (the default)
+    or TMA_LOADS."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     block_n, block_k, warps, stages, split, *rest = config or CONFIGS[bucket(m)][0]
@@ -285,7 +293,6 @@ def fp8_mm(
             out.stride(0),
             n,
             k_per_split,
-            WARP_SPECIALIZE=loads == TMA_WS,
             **common,
         )
         return out

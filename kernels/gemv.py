@@ -236,7 +236,7 @@ class GemvTuner:
         Returns a line per decision."""
         from radixlm.kernels.fp8_mm import CONFIGS as MMA_CONFIGS  # noqa: PLC0415
         from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
-        from radixlm.kernels.fp8_mm import fp8_mm  # noqa: PLC0415
+        from radixlm.kernels.fp8_mm import counters_at_rest, fp8_mm  # noqa: PLC0415
 
         lines = []
         for w, fused, scale in weights:
@@ -278,22 +278,34 @@ class GemvTuner:
                 else:
                     tries = [("gemv", cfg) for cfg in CONFIGS.get(bm, ())]
                 expect = library(x, cw, cs)  # the same arithmetic: a wrong config is far off
+                ours, failed, wrong = (None, float("inf")), 0, []
                 for kind, cfg in tries:
                     try:
                         err = _rel_err(candidate(kind, x, cw, cfg, cs), expect)
                     except Exception as e:  # noqa: BLE001 - a config this GPU or compiler cannot build
                         logger.debug("skinny matmul %s %s failed: %s", kind, cfg, e)
+                        failed += 1
                         continue
-                    if err > 2e-2:  # never a wrong one
+                    if not err <= 2e-2:  # never a wrong one (nor one whose error is not a number)
+                        wrong.append(f"{cfg} err {err:.2g}")
+                        continue
+                    if kind == "mma" and not counters_at_rest(w.device):  # its split-K left a tile counter set
+                        wrong.append(f"{cfg} counters left set")
                         continue
                     t = _time_calls([lambda c=c, kind=kind, cfg=cfg: candidate(kind, x, c, cfg) for c in copies])
+                    ours = min(ours, ((kind, cfg), t), key=lambda p: p[1])
                     if t < best_t:
                         best, best_t = (kind, cfg), t
                 self.choice[key] = _DECIDED[(gpu, key)] = best
                 lib = "scaled GEMM" if fp8 else "cuBLAS"
+                # what lost says as much as what won: the fastest of ours, and any that could not run or were wrong
+                lost = f"; ours at best {ours[0][1]} {ours[1] * 1e3:.1f} us" if best is None and ours[0] else ""
+                lost += f"; {failed} not built" if failed else ""
+                lost += f"; wrong: {', '.join(wrong)}" if wrong else ""
                 lines.append(
                     f"N={w.shape[0]} K={w.shape[1]} {'fp8 ' if fp8 else ''}{'gate_up+silu ' if fused else ''}"
                     f"M<={bm}: {lib} {base * 1e3:.1f} us, best {lib if best is None else best} {best_t * 1e3:.1f} us"
+                    + lost
                 )
             del copies
         self.report += lines
