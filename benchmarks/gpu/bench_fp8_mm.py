@@ -91,8 +91,15 @@ def main() -> None:
                 r["fp8_mma_best_by_loads"] = by_loads
                 ref = G._silu_mul(G.scaled_mm_ref(x, wq, ws)) if fused else G.scaled_mm_ref(x, wq, ws)
                 if ok:
-                    got = fp8_mm(x, wq, ws, None, eval(r["fp8_mma_best"][0]), fused)
+                    best_cfg = eval(r["fp8_mma_best"][0])
+                    got = fp8_mm(x, wq, ws, None, best_cfg, fused)
                     r["fp8_mma_rel_err_vs_scaled_mm"] = G._rel_err(got, ref)
+                    # the same config with the MMA's truncating accumulator over all of K (no float32 promotion)
+                    got = fp8_mm(x, wq, ws, None, best_cfg, fused, precise=False)
+                    r["fp8_mma_imprecise_rel_err_vs_scaled_mm"] = G._rel_err(got, ref)
+                    r["fp8_mma_imprecise_us"] = timed(
+                        lambda c: fp8_mm(x, c, ws, None, best_cfg, fused, precise=False), c8
+                    )
                 fp8_best = min(
                     t for t in (r["fp8_scaled_mm_us"], r["fp8_mma_best"][1] if ok else None) if t is not None
                 )
@@ -106,8 +113,15 @@ def main() -> None:
                     f"{r['fp8_scaled_mm_us'] or 0:7.1f}  mma "
                     f"{r['fp8_mma_best'][1] if ok else 0:7.1f} {r['fp8_mma_best'][0] if ok else ''}"
                     f"  best {fp8_best:7.1f}"
-                    f" us ({r['fp8_GBps']:5.0f} GB/s, {bf16_best / fp8_best:.2f}x)  by loads (pointer/tma/tma+ws) "
-                    + "/".join(f"{by_loads[i]:.1f}" if i in by_loads else "-" for i in range(3)),
+                    f" us ({r['fp8_GBps']:5.0f} GB/s, {bf16_best / fp8_best:.2f}x)  by loads (pointer/tma) "
+                    + "/".join(f"{by_loads[i]:.1f}" if i in by_loads else "-" for i in range(2))
+                    + (
+                        f"  imprecise acc {r['fp8_mma_imprecise_us'] or 0:.1f} us, err vs scaled GEMM"
+                        f" {r['fp8_mma_rel_err_vs_scaled_mm']:.1e}"
+                        f" (imprecise {r['fp8_mma_imprecise_rel_err_vs_scaled_mm']:.1e})"
+                        if ok
+                        else ""
+                    ),
                     flush=True,
                 )
             del c16, c8, w16, wq
