@@ -20,10 +20,6 @@ from radixlm.kernels._triton import tl, triton
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
-# A token's KV heads sit side by side in the pool ([slots, KVH, D]), so a request's KV-head programs each read a
-# slice of the same rows. Launched with the KV head as the grid's fastest axis they run side by side and read
-# those rows together (whole rows from HBM while they are open) instead of a wave apart.
-HEADS_FIRST = False
 
 
 # --- torch reference -----------------------------------------------------------------------------------------
@@ -225,12 +221,9 @@ def _decode_stage1(
     DOT_PREC: tl.constexpr,
     HAS_QROWS: tl.constexpr,
     DIRECT: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
 ):
-    if HEADS_FIRST:  # a request's KV heads in neighbouring programs: they read the same token rows together
-        kvh, b = tl.program_id(0), tl.program_id(1)
-    else:
-        b, kvh = tl.program_id(0), tl.program_id(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     s = tl.program_id(2)
     qb = b.to(tl.int64)
     if HAS_QROWS:  # the request's row of q (and of out) in a larger batch
@@ -364,7 +357,6 @@ def decode_attention(
     v_scale: float = 1.0,
     f16_dot: bool | None = None,
     direct: bool | None = None,
-    heads_first: bool = HEADS_FIRST,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (e4m3 with `k_scale` / `v_scale`, or q's dtype);
     req_to_token: [rows, max_ctx] int32;
@@ -373,7 +365,7 @@ def decode_attention(
     batch, read and written in place, without a gather and a scatter around the call).
     `f16_dot` (default: for an e4m3 pool): the dots in float16, the query rounded to it, since e4m3 widens to
     float16 exactly in one instruction; `direct` (default: one split): stage 1 writes the output and no merge
-    runs; `heads_first`: the grid's fastest axis is the KV head rather than the request (see HEADS_FIRST)."""
+    runs."""
     h, d = q.shape[1], q.shape[2]
     b = q.shape[0] if q_rows is None else q_rows.shape[0]
     kvh = k_cache.shape[1]
@@ -398,7 +390,7 @@ def decode_attention(
         mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
     block_d = next_pow2(d)
     rows_arg = q_rows if q_rows is not None else seq_lens  # any int tensor when unused (HAS_QROWS=False)
-    _decode_stage1[(kvh, b, num_splits) if heads_first else (b, kvh, num_splits)](
+    _decode_stage1[(b, kvh, num_splits)](
         q,
         rows_arg,
         k_cache,
@@ -433,7 +425,6 @@ def decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         HAS_QROWS=q_rows is not None,
         DIRECT=direct,
-        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )

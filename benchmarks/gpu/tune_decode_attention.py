@@ -1,8 +1,7 @@
 """Sweep the decode attention kernel's launch settings on the GPU and report time and bandwidth per setting,
 beside the default (page size 1, KV slots scattered over the pool). Shapes: --heads/--kv-heads (8B: 32/8, 70B:
 64/8), head size 128; --kv-dtype e4m3 also sweeps the float16 dots (`f16_dot`); a one-split setting is timed
-with its output written by stage 1 (`direct`) and with the merge; tiles of 64 keys or more in both grid orders
-(`heads_first`).
+with its output written by stage 1 (`direct`) and with the merge.
 Usage: python benchmarks/gpu/tune_decode_attention.py --batch-sizes 64 160 --context 1500 --heads 64 \
     --kv-dtype e4m3 --out tune.json"""
 
@@ -59,9 +58,7 @@ def settings(bs: int, kvh: int, sms: int, fp8: bool, block_ns=(32, 64, 128), war
         splits, block_ns, warps_list, (2, 3, 4), (True, False) if fp8 else (False,)
     ):
         for direct in (True, False) if s == 1 else (False,):
-            st = {"splits": s, "block_n": block_n, "warps": warps, "stages": stages, "f16_dot": f16, "direct": direct}
-            for first in (False, True) if block_n >= 64 and f16 == fp8 else (False,):  # both grid orders
-                yield {**st, "heads_first": first}
+            yield {"splits": s, "block_n": block_n, "warps": warps, "stages": stages, "f16_dot": f16, "direct": direct}
 
 
 def main() -> None:
@@ -92,7 +89,7 @@ def main() -> None:
             out = torch.empty_like(q)
             kw = dict(out=out, block_n=st["block_n"], num_warps=st["warps"], num_stages=st["stages"])
             if "f16_dot" in st:
-                kw.update(f16_dot=st["f16_dot"], direct=st["direct"], heads_first=st["heads_first"])
+                kw.update(f16_dot=st["f16_dot"], direct=st["direct"])
             fn = lambda: decode_attention(q, k, v, r2t, rows, lens, D**-0.5, st["splits"], **kw)  # noqa: E731
             try:
                 us = time_us(fn)
@@ -108,8 +105,7 @@ def main() -> None:
         for r in found[: args.top]:
             print(
                 f"   splits {r['splits']:2d} block_n {r['block_n']} warps {r['warps']} stages {r['stages']} "
-                f"f16 {r.get('f16_dot')} direct {r.get('direct')} heads first {r.get('heads_first')}: "
-                f"{r['us']:7.1f} us {r['tb_per_s']:.2f} TB/s "
+                f"f16 {r.get('f16_dot')} direct {r.get('direct')}: {r['us']:7.1f} us {r['tb_per_s']:.2f} TB/s "
                 f"err {r['rel_err']:.1e}"
             )
         results += found
