@@ -6,7 +6,7 @@ Expected: e4m3 weights and activations move the logits by several percent of the
 the reference is exact), so the bound is 0.12, and the top-1 token agrees at 70% of positions or more (these
 random models' logits are nearly tied: bf16 alone moves 5% of transformers' own top-1s). Graphs and
 eager compute the same batch shapes: identical greedy outputs. Overlap on and off schedule the same batches
-here: identical too, with mixed chunks off (below). The engines share the kernel picks the first one timed (one
+here: identical too, with mixed chunks off (see `_engine`). The engines share the kernel picks the first one timed (one
 tuning per process), without which a close race between W8A16 and W8A8 kernels could change the numerics.
 """
 
@@ -58,10 +58,11 @@ def _engine(path, **kw):
         max_total_tokens=8192,
         attention_backend="triton",
         cuda_graph_max_bs=16,
-        # Mixed chunks (the CUDA default) off: the prompts reach the scheduler one by one, and with them on, one
-        # that was prefilled a step before the others decodes its first token inside their prompt chunk (an
-        # extend batch: the scaled GEMM's W8A8 rounding, not the decode kernel's), so its greedy path would
-        # follow arrival timing rather than the mode under test. tests/gpu/test_cuda_engine.py runs them on.
+        # Mixed chunks (the CUDA default) off: the prompt of 64 tokens shares 40 uncached ones with another and
+        # is prefilled a step later (in-batch prefix sharing); with mixed chunks the plain scheduler decodes the
+        # other four inside that step (an extend batch: the scaled GEMM's rounding, not the decode kernel's)
+        # while the overlap scheduler has queued their decode step already, so the modes would run different
+        # batches. tests/gpu/test_cuda_engine.py runs mixed chunks on.
         disable_mixed_chunk=True,
         **kw,
     )

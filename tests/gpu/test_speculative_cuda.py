@@ -32,9 +32,9 @@ SCHEMA = {  # bounded, so that even random weights must close the object
     "required": ["river", "long"],
 }
 MODEL = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=1024)
-# Mixed chunks (the CUDA default) off in both engines: the prompts reach the scheduler one by one, and with them
-# on a prompt prefilled a step early decodes inside the next prompt's chunk in one engine and not in the other,
-# a different batch whose float32 rounding can flip a near-tied greedy pick of these random weights.
+# Mixed chunks (the CUDA default) off in both engines: when a batch's prompts take two prefill steps (one deferred
+# for in-batch prefix sharing, or a verify step between), mixed chunks decode the first ones inside the second
+# step in one scheduler and not in another: different batches, whose rounding can flip a near-tied greedy pick.
 COMMON = dict(log_level="warning", dtype="float32", max_total_tokens=8192, disable_mixed_chunk=True)
 
 
