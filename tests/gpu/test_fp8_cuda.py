@@ -6,8 +6,9 @@ Expected: e4m3 weights and activations move the logits by several percent of the
 the reference is exact), so the bound is 0.12, and the top-1 token agrees at 70% of positions or more (these
 random models' logits are nearly tied: bf16 alone moves 5% of transformers' own top-1s). Graphs and
 eager compute the same batch shapes: identical greedy outputs. Overlap on and off schedule the same batches
-here: identical too, with mixed chunks off (see `_engine`). The engines share the kernel picks the first one timed (one
-tuning per process), without which a close race between W8A16 and W8A8 kernels could change the numerics.
+here (the prompts in `setup` are prefilled in one step): identical too, mixed chunks on. The engines share the
+kernel picks the first one timed (one tuning per process), without which a close race between W8A16 and W8A8
+kernels could change the numerics.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ def setup(tmp_path_factory):
     d = make_tiny_checkpoint(tmp_path_factory.mktemp("fp8") / "llama", "llama", tokenizer=tok, **SIZES)
     text = "The quick brown fox jumps over the lazy dog, and then some more words follow here. " * 4
     ids = tok(text)["input_ids"]
-    return d, ids, [ids[:n] for n in (5, 17, 40, 64)] + [ids[10:70]]
+    # No two prompts share 32 uncached leading tokens, so all five are prefilled in one step: a prompt that did
+    # would wait a step (in-batch prefix sharing), and the overlap scheduler would decode the other four once at
+    # batch 4 meanwhile while the plain one would not (batch 4 and batch 5 can run different kernel picks), and
+    # with mixed chunks they would decode inside its prefill. One prefill step: every mode runs the same batches.
+    return d, ids, [ids[:n] for n in (5, 17, 40)] + [ids[9:73], ids[10:70]]
 
 
 def _engine(path, **kw):
@@ -58,12 +63,6 @@ def _engine(path, **kw):
         max_total_tokens=8192,
         attention_backend="triton",
         cuda_graph_max_bs=16,
-        # Mixed chunks (the CUDA default) off: the prompt of 64 tokens shares 40 uncached ones with another and
-        # is prefilled a step later (in-batch prefix sharing); with mixed chunks the plain scheduler decodes the
-        # other four inside that step (an extend batch: the scaled GEMM's rounding, not the decode kernel's)
-        # while the overlap scheduler has queued their decode step already, so the modes would run different
-        # batches. tests/gpu/test_cuda_engine.py runs mixed chunks on.
-        disable_mixed_chunk=True,
         **kw,
     )
 
