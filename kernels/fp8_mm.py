@@ -7,7 +7,8 @@ MMA's tall operand ([BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M], the batch padded to
 and MMAs. x is quantized per token by `fp8_quant.quantize_tokens` first: quantizing it inside this kernel (an
 amax pass per program, then tiles converted on the fly) measured slower on an H100 at every shape, as the
 converted tiles go through shared memory on every step. `silu_mul` fuses the MLP activation into the gate_up
-projection as the GEMV does.
+projection as the GEMV does. Each tile's MMA sum is added to a float32 accumulator (`_mma`), as the scaled GEMM
+does; the tiles come through pointer loads or, in some configs, TMA descriptors (`_fp8_mm_tma_kernel`).
 """
 
 from __future__ import annotations
