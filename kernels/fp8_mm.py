@@ -217,6 +217,16 @@ POINTER_LOADS, TMA_LOADS = 0, 1  # how a config's tiles reach shared memory (the
 # faster there, and its split-K programs left tile counters set (a wrong sum in every later split on those tiles).
 _TMA_CANDIDATES = [(*c, TMA_LOADS) for c in [(64, 256, 4, 4, 1), (128, 128, 8, 4, 1), (64, 256, 4, 4, 2),
                                               (128, 256, 8, 3, 2)]]  # fmt: skip
+# Past 64 rows a program of 64 batch rows leaves the weights to be read once per 64 rows (from L2 at best): at 128
+# rows on an H200 the best such config took 1.5x the scaled GEMM on the 70B gate_up. These take the whole bucket
+# in one program column (BLOCK_M 128 or 256: the MMA's N; accumulators of BLOCK_N x BLOCK_M floats), so each
+# weight tile is read once, for batches of 65-256 rows (the serving decode at 128-256 users).
+_WHOLE = {
+    bm: [(64, 128, 4, 3, 1, POINTER_LOADS, bm), (64, 256, 4, 2, 1, POINTER_LOADS, bm),
+         (128, 128, 8, 3, 1, POINTER_LOADS, bm), (128, 64, 8, 4, 1, POINTER_LOADS, bm),
+         (64, 128, 4, 3, 1, TMA_LOADS, bm), (128, 128, 8, 3, 1, TMA_LOADS, bm), (64, 128, 4, 3, 2, POINTER_LOADS, bm)]
+    for bm in (128, 256)
+}  # fmt: skip
 CONFIGS: dict[int, list[tuple[int, ...]]] = {
     16: [(*c, 1) for c in _ONE] + _SPLIT + _TMA_CANDIDATES,
     32: [(*c, 1) for c in _ONE] + _SPLIT[:3] + _TMA_CANDIDATES,
@@ -225,7 +235,9 @@ CONFIGS: dict[int, list[tuple[int, ...]]] = {
     + _TMA_CANDIDATES,
     128: [(128, 128, 8, 4, 1), (64, 128, 4, 4, 1), (128, 256, 8, 3, 1), (256, 128, 8, 3, 1), (128, 256, 8, 3, 2)]
     + _SPLIT_128
-    + _TMA_CANDIDATES,
+    + _TMA_CANDIDATES
+    + _WHOLE[128],
+    256: _WHOLE[256],
 }
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 16
@@ -243,8 +255,8 @@ def counters_at_rest(device: torch.device) -> bool:
 
 
 def bucket(m: int) -> int:
-    """The batch bucket (and BLOCK_M) a batch of m rows runs in."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    """The batch bucket a batch of m rows runs in (its configs; BLOCK_M unless a config says otherwise)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
 
 
 def fp8_mm(
@@ -261,13 +273,15 @@ def fp8_mm(
     """x [M, K] in bf16/fp16 (quantized per token here first; or, with `x_scale` [M] / [M, 1], already e4m3),
     w [N, K] e4m3 with `scale` [N] float32 -> [M, N] in `out_dtype` (default: x's dtype, bf16 for e4m3 x).
     `silu_mul`: w holds gate rows then up rows and the result is silu(gate) * up, [M, N / 2].
-    `config`: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, LOADS]) with LOADS POINTER_LOADS (the default)
-    or TMA_LOADS. `precise=False` (benchmarks only: what the float32 promotion costs) leaves the MMA's truncating
-    accumulator running over all of K (see `_mma`)."""
+    `config`: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K[, LOADS[, BLOCK_M]]) with LOADS POINTER_LOADS
+    (the default) or TMA_LOADS, and BLOCK_M the batch rows per program (default: the bucket's, at most 64).
+    `precise=False` (benchmarks only: what the float32 promotion costs) leaves the MMA's truncating accumulator
+    running over all of K (see `_mma`)."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_mul else w.shape[0]
     block_n, block_k, warps, stages, split, *rest = config or CONFIGS[bucket(m)][0]
     loads = rest[0] if rest else POINTER_LOADS
+    block_m = rest[1] if len(rest) > 1 else min(bucket(m), 64)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if x_scale is not None else x.dtype
     if x_scale is None:
@@ -276,7 +290,6 @@ def fp8_mm(
         x, x_scale = quantize_tokens(x)
     if silu_mul and block_n > 64:
         block_n //= 2  # two accumulators
-    block_m = min(bucket(m), 64)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)

@@ -210,7 +210,7 @@ _DECIDED: dict[tuple[str, tuple], tuple[str, tuple] | None] = {}
 class GemvTuner:
     """Per (N, K, fused, M bucket, FP8 weight): the fastest of the library path (None: cuBLAS; for FP8 weights
     the scaled GEMM) and our kernels: this module's GEMV configs for bf16/fp16 weights up to batch 8, the
-    tensor-core kernel's configs (`fp8_mm.py`) for FP8 weights up to batch 128; timed on this GPU once per
+    tensor-core kernel's configs (`fp8_mm.py`) for FP8 weights up to batch 256; timed on this GPU once per
     process. A pick is ("gemv" | "mma", config). Every FP8 candidate computes W8A8 (x quantized per token): a
     W8A16 GEMV was as fast at batch 1, but a request's numerics would then change with the batch it runs in."""
 
@@ -222,7 +222,7 @@ class GemvTuner:
     def bucket(m: int, fp8: bool) -> int | None:
         from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
 
-        if m == 0 or m > (128 if fp8 else MAX_M):
+        if m == 0 or m > (256 if fp8 else MAX_M):
             return None
         return _block_m(m) if m <= MAX_M else mma_bucket(m)
 

@@ -362,25 +362,30 @@ def test_rmsnorm_fp8_is_the_norm_then_the_token_quantization(with_residual, rows
 
 
 @pytest.mark.parametrize(
-    "m,n,k,fused,prequant,split,loads",
+    "m,n,k,fused,prequant,split,loads,block_m",
     [
-        (1, 64, 256, False, False, 1, 0),
-        (3, 128, 384, True, False, 2, 0),
-        (20, 64, 256, False, False, 1, 0),
-        (2, 96, 256, False, True, 1, 0),
-        (5, 192, 640, False, True, 3, 0),
-        (40, 256, 512, True, False, 2, 0),  # a 128-row weight tile (block_n below) over 64 padded batch rows
+        (1, 64, 256, False, False, 1, 0, None),
+        (3, 128, 384, True, False, 2, 0, None),
+        (20, 64, 256, False, False, 1, 0, None),
+        (2, 96, 256, False, True, 1, 0, None),
+        (5, 192, 640, False, True, 3, 0, None),
+        (40, 256, 512, True, False, 2, 0, None),  # a 128-row weight tile (block_n below) over 64 padded batch rows
         # tiles fetched by TMA descriptors: rows and K past the matrix come back as zeros, not from a mask
-        (3, 96, 400, False, False, 1, 1),
-        (40, 192, 640, True, True, 3, 1),
-        (20, 128, 512, True, False, 2, 1),
+        (3, 96, 400, False, False, 1, 1, None),
+        (40, 192, 640, True, True, 3, 1, None),
+        (20, 128, 512, True, False, 2, 1, None),
+        # the whole batch in one program column (BLOCK_M 128 / 256): 65-256 rows, weights read once
+        (100, 128, 384, False, True, 1, 0, 128),
+        (70, 192, 512, True, False, 2, 1, 128),
+        (200, 64, 256, True, True, 1, 0, 256),
     ],
 )
-def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split, loads):
+def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split, loads, block_m):
     """W8A8 on the tensor cores: the product of x quantized per token (here, or beforehand) and the e4m3 rows
     times their scales, as the scaled GEMM computes it; K not a multiple of the tile, N not of the MMA height,
     K split across programs (the last to arrive sums the parts; run twice: it must leave its counters at 0); the
-    tiles loaded through pointers and masks, or by TMA descriptors (loads 1)."""
+    tiles loaded through pointers and masks, or by TMA descriptors (loads 1); batch rows per program from the
+    bucket (at most 64) or the whole bucket (block_m)."""
     from radixlm.kernels import fp8_mm as F
     from radixlm.kernels.fp8_mm import counters_at_rest, fp8_mm
     from radixlm.kernels.fp8_quant import quantize_tokens
@@ -398,7 +403,7 @@ def test_fp8_mm_tensor_core_kernel(m, n, k, fused, prequant, split, loads):
     if fused:
         gate, up = want.chunk(2, dim=-1)
         want = torch.nn.functional.silu(gate) * up
-    cfg = (128 if m > 32 else 64, 128, 4, 2, split, loads)
+    cfg = (128 if m > 32 else 64, 128, 4, 2, split, loads) + ((block_m,) if block_m else ())
     for _ in range(2):
         if prequant:
             got = fp8_mm(xq, wq, scale, config=cfg, x_scale=xs, silu_mul=fused)
