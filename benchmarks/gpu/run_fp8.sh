@@ -2,7 +2,7 @@
 # FP8 runs on one GPU (issue 30), in stages that each leave their results in DEST as soon as they finish:
 #   test     the gpu suite's FP8 tests (kernels compiled, fp8 logits vs bf16, greedy across graphs/eager/overlap)
 #   kernels  bench_fp8_mm.py: every skinny FP8 candidate per projection of
-#            the 8B and 70B shapes (KSHAPES) at batch 1/8/16/32/128 (KBATCHES), beside the bf16 weight's best
+#            the 8B and 70B shapes (KSHAPES) at batch 1-256 (KBATCHES), beside the bf16 weight's best
 #   decode8  bench_decode on the 8B shape, bf16, fp8, fp8 with the LM head too, and that with an e4m3 KV pool
 #            (triton backend), beside the plain PyTorch graph step
 #   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
@@ -49,7 +49,7 @@ if stage test; then
     grep -v -i warn | tail -15 | tee "$DEST/pytest_fp8.txt"
 fi
 if stage kernels; then
-  timeout $(left) python benchmarks/gpu/bench_fp8_mm.py --shapes ${KSHAPES:-8b 70b} --batches ${KBATCHES:-1 8 16 32 128} \
+  timeout $(left) python benchmarks/gpu/bench_fp8_mm.py --shapes ${KSHAPES:-8b 70b} --batches ${KBATCHES:-1 8 16 32 64 128 256} \
     --out "$DEST" 2>&1 |
     grep -v -i warn
 fi
