@@ -221,11 +221,13 @@ _TMA_CANDIDATES = [(*c, TMA_LOADS) for c in [(64, 256, 4, 4, 1), (128, 128, 8, 4
 # rows on an H200 the best such config took 1.5x the scaled GEMM on the 70B gate_up. These take the whole bucket
 # in one program column (BLOCK_M 128 or 256: the MMA's N; accumulators of BLOCK_N x BLOCK_M floats), so each
 # weight tile is read once, for batches of 65-256 rows (the serving decode at 128-256 users).
-_WHOLE = {
-    bm: [(64, 128, 4, 3, 1, POINTER_LOADS, bm), (64, 256, 4, 2, 1, POINTER_LOADS, bm),
-         (128, 128, 8, 3, 1, POINTER_LOADS, bm), (128, 64, 8, 4, 1, POINTER_LOADS, bm),
-         (64, 128, 4, 3, 1, TMA_LOADS, bm), (128, 128, 8, 3, 1, TMA_LOADS, bm), (64, 128, 4, 3, 2, POINTER_LOADS, bm)]
-    for bm in (128, 256)
+_WHOLE = {  # at most 128 accumulator floats a thread (twice for gate_up + SiLU's two, at half the tile height)
+    128: [(64, 128, 4, 3, 1, POINTER_LOADS, 128), (128, 128, 8, 3, 1, POINTER_LOADS, 128),
+          (64, 256, 4, 2, 1, POINTER_LOADS, 128), (128, 128, 8, 3, 1, TMA_LOADS, 128),
+          (64, 128, 4, 3, 2, POINTER_LOADS, 128)],
+    256: [(64, 128, 8, 3, 1, POINTER_LOADS, 256), (128, 128, 8, 3, 1, POINTER_LOADS, 256),
+          (64, 256, 8, 2, 1, POINTER_LOADS, 256), (128, 128, 8, 3, 1, TMA_LOADS, 256),
+          (128, 64, 8, 4, 1, POINTER_LOADS, 256)],
 }  # fmt: skip
 CONFIGS: dict[int, list[tuple[int, ...]]] = {
     16: [(*c, 1) for c in _ONE] + _SPLIT + _TMA_CANDIDATES,
