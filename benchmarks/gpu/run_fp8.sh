@@ -8,8 +8,8 @@
 #   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
 #   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
 #   profile70 the 70B shape in fp8 (fp8 head) at batch 1 and 8, profiled: a kernel-time table per step (DEST/profile70.txt)
-#   steady70 the 70B shape in fp8 (fp8 head, e4m3 pool) at batch 1, 64 and 160 at context 1,500, profiled: the
-#            serving runs' steady decode step (DEST/steady70.txt)
+#   steady70 the 70B shape in fp8 (fp8 head, e4m3 pool) at batch 1, 64 and 160 (STEADY_BATCHES) at context 1,500,
+#            profiled: the serving runs' steady decode step (DEST/steady70.txt)
 #   ab70     the 70B fp8 step at batch 1 and 8 from BEFORE (default .before: tools/export_rev.sh REV, carried) and
 #            from this tree, in turn, twice: a change's effect on one machine
 #   offline8 bench_offline on the 8B shape, 256 prompts x 512 in / 256 out, bf16 then fp8 (fp8 head)
@@ -74,7 +74,7 @@ if stage profile70; then
 fi
 if stage steady70; then
   CONTEXT=1500 KV=fp8_e4m3 PROFILE=$DEST/steady70.txt HEAD=--fp8-lm-head \
-    decode benchmarks/configs/llama-3.1-70b fp8 steady70 1 64 160
+    decode benchmarks/configs/llama-3.1-70b fp8 steady70 ${STEADY_BATCHES:-1 64 160}
   grep -A14 "^timeline" "$DEST/steady70.txt"
 fi
 if stage ab70; then
