@@ -280,19 +280,24 @@ class GemvTuner:
                 expect = library(x, cw, cs)  # the same arithmetic: a wrong config is far off
                 ours, failed, wrong = (None, float("inf")), 0, []
                 for kind, cfg in tries:
+                    # A split-K config must leave its tile counters at 0 (counters_at_rest also clears them, so
+                    # that one config's fault is not blamed on the next)
+                    at_rest = lambda: kind != "mma" or counters_at_rest(w.device)  # noqa: E731
                     try:
                         err = _rel_err(candidate(kind, x, cw, cfg, cs), expect)
                     except Exception as e:  # noqa: BLE001 - a config this GPU or compiler cannot build
                         logger.debug("skinny matmul %s %s failed: %s", kind, cfg, e)
                         failed += 1
+                        at_rest()
                         continue
-                    if not err <= 2e-2:  # never a wrong one (nor one whose error is not a number)
-                        wrong.append(f"{cfg} err {err:.2g}")
-                        continue
-                    if kind == "mma" and not counters_at_rest(w.device):  # its split-K left a tile counter set
-                        wrong.append(f"{cfg} counters left set")
+                    rest = at_rest()
+                    if not rest or not err <= 2e-2:  # never a wrong one (nor one whose error is not a number)
+                        wrong.append(f"{cfg} err {err:.2g}" + ("" if rest else ", counters left set"))
                         continue
                     t = _time_calls([lambda c=c, kind=kind, cfg=cfg: candidate(kind, x, c, cfg) for c in copies])
+                    if not at_rest():  # replayed back to back, it left a counter set
+                        wrong.append(f"{cfg} counters left set")
+                        continue
                     ours = min(ours, ((kind, cfg), t), key=lambda p: p[1])
                     if t < best_t:
                         best, best_t = (kind, cfg), t
