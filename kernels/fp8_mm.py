@@ -8,7 +8,7 @@ and MMAs. x is quantized per token by `fp8_quant.quantize_tokens` first: quantiz
 amax pass per program, then tiles converted on the fly) measured slower on an H100 at every shape, as the
 converted tiles go through shared memory on every step. `silu_mul` fuses the MLP activation into the gate_up
 projection as the GEMV does. Each tile's MMA sum is added to a float32 accumulator (`_mma`), as the scaled GEMM
-does; the tiles come through pointer loads or, in some configs, TMA descriptors (`_fp8_mm_tma_kernel`).
+does; the tiles come through pointer loads or, in some configs, TMA descriptors.
 """
 
 from __future__ import annotations
@@ -86,10 +86,19 @@ def _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, n_mask, m_mask, xs_ptr, ws
 
 
 @triton.jit
+def _tile(src, ptrs, row0, k0, K, rk, row_mask, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """The [rows, BLOCK_K] tile at column k0: from the TMA descriptor `src` at row `row0`, or through `ptrs` (the
+    tile's row pointers at column 0) masked to `row_mask` and K."""
+    if TMA:
+        return src.load([row0, k0])
+    return _load_tile(ptrs, k0, K, rk, row_mask, EVEN_K)
+
+
+@triton.jit
 def _fp8_mm_kernel(
-    x_ptr,
+    x_src,
     xs_ptr,
-    w_ptr,
+    w_src,
     ws_ptr,
     b_ptr,
     out_ptr,
@@ -106,6 +115,7 @@ def _fp8_mm_kernel(
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
     USE_PDL: tl.constexpr,
     PRECISE: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -113,89 +123,45 @@ def _fp8_mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    n_mask = rn < N
-    m_mask = rm < M
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    u_rows = w_rows + up_offset * stride_wn  # SILU_MUL: the up rows sit `up_offset` rows below the gate rows
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    # The weights do not depend on the kernel before this one: start their stream before waiting for it (PDL).
-    # The first K step is peeled so that the loop's loads are unconditional, which Triton's pipeliner needs.
-    w = _load_tile(w_rows, k_lo, K, rk, n_mask, EVEN_K)
-    if SILU_MUL:
-        u = _load_tile(u_rows, k_lo, K, rk, n_mask, EVEN_K)
-    if USE_PDL:
-        gdc_wait()
-    xt = tl.trans(_load_tile(x_rows, k_lo, K, rk, m_mask, EVEN_K))
-    acc = tl.dot(w, xt)
-    acc_up = tl.dot(u, xt) if SILU_MUL else acc
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        xt = tl.trans(_load_tile(x_rows, k0, K, rk, m_mask, EVEN_K))
-        acc = _mma(_load_tile(w_rows, k0, K, rk, n_mask, EVEN_K), xt, acc, PRECISE)
-        if SILU_MUL:
-            acc_up = _mma(_load_tile(u_rows, k0, K, rk, n_mask, EVEN_K), xt, acc_up, PRECISE)
-    if USE_PDL:
-        gdc_launch_dependents()
-    _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, n_mask, m_mask, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
-            count_ptr, stride_om, up_offset, HAS_BIAS, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
-
-
-@triton.jit
-def _fp8_mm_tma_kernel(
-    x_desc,
-    xs_ptr,
-    w_desc,
-    ws_ptr,
-    b_ptr,
-    out_ptr,
-    part_ptr,
-    count_ptr,
-    M,
-    N,
-    K,
-    stride_om,
-    up_offset,
-    k_per_split,
-    HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PRECISE: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """`_fp8_mm_kernel` with its tiles fetched by the copy engine (TMA descriptors): no address arithmetic or
-    masks in the loop (the hardware fills rows and columns past the tensor with zeros) and the tiles land in
-    shared memory without passing through registers, which leaves the warps to the MMAs."""
+    """x_src and w_src: the matrices' pointers, or (TMA) their tensor descriptors, through which the copy engine
+    fetches the tiles: no address arithmetic or masks in the loop (the hardware fills rows and columns past the
+    matrix with zeros), and the tiles land in shared memory without passing through registers."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0 = pid_n * BLOCK_N
     m0 = pid_m * BLOCK_M
     rn = n0 + tl.arange(0, BLOCK_N)
     rm = m0 + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    m_mask = rm < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    w = w_desc.load([n0, k_lo])  # the weights first, before waiting for the kernel before (PDL)
+    if TMA:  # descriptors take row offsets: no pointer tiles
+        w_rows = w_src
+        u_rows = w_src
+        x_rows = x_src
+    else:
+        w_rows = w_src + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+        u_rows = w_rows + up_offset * stride_wn  # SILU_MUL: the up rows sit `up_offset` rows below the gate rows
+        x_rows = x_src + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    # The weights do not depend on the kernel before this one: start their stream before waiting for it (PDL).
+    # The first K step is peeled so that the loop's loads are unconditional, which Triton's pipeliner needs.
+    w = _tile(w_src, w_rows, n0, k_lo, K, rk, n_mask, EVEN_K, TMA)
     if SILU_MUL:
-        u = w_desc.load([n0 + up_offset, k_lo])
+        u = _tile(w_src, u_rows, n0 + up_offset, k_lo, K, rk, n_mask, EVEN_K, TMA)
     if USE_PDL:
         gdc_wait()
-    xt = tl.trans(x_desc.load([m0, k_lo]))
+    xt = tl.trans(_tile(x_src, x_rows, m0, k_lo, K, rk, m_mask, EVEN_K, TMA))
     acc = tl.dot(w, xt)
     acc_up = tl.dot(u, xt) if SILU_MUL else acc
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        xt = tl.trans(x_desc.load([m0, k0]))
-        acc = _mma(w_desc.load([n0, k0]), xt, acc, PRECISE)
+        xt = tl.trans(_tile(x_src, x_rows, m0, k0, K, rk, m_mask, EVEN_K, TMA))
+        acc = _mma(_tile(w_src, w_rows, n0, k0, K, rk, n_mask, EVEN_K, TMA), xt, acc, PRECISE)
         if SILU_MUL:
-            acc_up = _mma(w_desc.load([n0 + up_offset, k0]), xt, acc_up, PRECISE)
+            acc_up = _mma(_tile(w_src, u_rows, n0 + up_offset, k0, K, rk, n_mask, EVEN_K, TMA), xt, acc_up, PRECISE)
     if USE_PDL:
         gdc_launch_dependents()
-    _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, rn < N, rm < M, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
+    _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, n_mask, m_mask, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
             count_ptr, stride_om, up_offset, HAS_BIAS, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
@@ -303,37 +269,18 @@ def fp8_mm(
             counters = _COUNTERS[x.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=x.device)
         part = torch.empty(grid[0] * grid[1] * split * 2 * block_n * block_m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    common = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PRECISE=precise, SPLIT_K=split, BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-                  **pdl_args(x.device))  # fmt: skip
-    bias_arg = bias if bias is not None else scale
-    if loads != POINTER_LOADS and _tma_ok(x, w):
+    x_src, w_src, tma = x, w, loads != POINTER_LOADS and _tma_ok(x, w)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
 
-        _fp8_mm_tma_kernel[grid](
-            TensorDescriptor.from_tensor(x, [block_m, block_k]),
-            x_scale.reshape(-1),
-            TensorDescriptor.from_tensor(w, [block_n, block_k]),
-            scale.reshape(-1),
-            bias_arg,
-            out,
-            part,
-            counters,
-            m,
-            n,
-            k,
-            out.stride(0),
-            n,
-            k_per_split,
-            **common,
-        )
-        return out
+        x_src = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        w_src = TensorDescriptor.from_tensor(w, [block_n, block_k])
     _fp8_mm_kernel[grid](
-        x,
+        x_src,
         x_scale.reshape(-1),
-        w,
+        w_src,
         scale.reshape(-1),
-        bias_arg,
+        bias if bias is not None else scale,
         out,
         part,
         counters,
@@ -345,8 +292,18 @@ def fp8_mm(
         out.stride(0),
         n,
         k_per_split,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0,
-        **common,
+        TMA=tma,
+        PRECISE=precise,
+        SPLIT_K=split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_args(x.device),
     )
     return out
 
