@@ -28,12 +28,15 @@ D = 128
 E4M3 = torch.float8_e4m3fn
 
 
-def pool(bs: int, ctx: int, h: int, kvh: int, gen: torch.Generator):
+def pool(bs: int, ctx: int, h: int, kvh: int, gen: torch.Generator, layout: str = "scattered"):
+    """A pool and page table: `scattered` slots (a long-running server's free list) or `contiguous` ones (each
+    request's slots in a row, as a fresh pool hands them out)."""
     total = bs * ctx
     size = total + 4096
     k = torch.randn(size, kvh, D, generator=gen) * 2.0
     v = torch.randn(size, kvh, D, generator=gen)
-    slots = (torch.randperm(size - 1, generator=gen)[:total] + 1).to(torch.int32).view(bs, ctx)
+    order = torch.randperm(size - 1, generator=gen) if layout == "scattered" else torch.arange(size - 1)
+    slots = (order[:total] + 1).to(torch.int32).view(bs, ctx)
     r2t = torch.zeros(bs + 1, ctx + 8, dtype=torch.int32)
     r2t[1:, :ctx] = slots
     q = torch.randn(bs, h, D, generator=gen).to("cuda", torch.bfloat16)
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--layouts", nargs="+", default=["scattered"], choices=["scattered", "contiguous"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import flashinfer
@@ -66,8 +70,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for bs in args.batch_sizes:
-        q, k32, v32, r2t, req_rows, lens = pool(bs, args.context, args.heads, args.kv_heads, gen)
+    for bs, layout in [(bs, lay) for bs in args.batch_sizes for lay in args.layouts]:
+        q, k32, v32, r2t, req_rows, lens = pool(bs, args.context, args.heads, args.kv_heads, gen, layout)
         ks, vs = float(k32.abs().max()) / 448.0, float(v32.abs().max()) / 448.0
         k8, v8 = (k32 / ks).to("cuda", E4M3), (v32 / vs).to("cuda", E4M3)
         k16, v16 = k32.to("cuda", torch.bfloat16), v32.to("cuda", torch.bfloat16)
@@ -111,8 +115,11 @@ def main() -> None:
             err = ((out[:2].float() - ref.float()).norm() / ref.float().norm()).item()
             us = time_us(fn)
             found[name] = {"us": us, "tb_per_s": nb / us / 1e6, "rel_err_vs_e4m3_ref": err}
-            print(f"batch {bs:4d} {name:34s} {us:8.1f} us {nb / us / 1e6:5.2f} TB/s  err {err:.1e}", flush=True)
-        rows.append({"batch": bs, "context": args.context, "results": found})
+            print(
+                f"batch {bs:4d} {layout:10s} {name:34s} {us:8.1f} us {nb / us / 1e6:5.2f} TB/s  err {err:.1e}",
+                flush=True,
+            )
+        rows.append({"batch": bs, "layout": layout, "context": args.context, "results": found})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name(0), "heads": args.heads, "kv_heads": args.kv_heads}
