@@ -89,9 +89,13 @@ def _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, n_mask, m_mask, xs_ptr, ws
 def _tile(src, ptrs, row0, k0, K, rk, row_mask, EVEN_K: tl.constexpr, TMA: tl.constexpr):
     """The [rows, BLOCK_K] tile at column k0: from the TMA descriptor `src` at row `row0`, or through `ptrs` (the
     tile's row pointers at column 0) masked to `row_mask` and K."""
+    # An else, not an early return: the compiler still builds what follows a return under a constexpr if, and a
+    # descriptor cannot be added to as `_load_tile` does with pointers.
     if TMA:
-        return src.load([row0, k0])
-    return _load_tile(ptrs, k0, K, rk, row_mask, EVEN_K)
+        tile = src.load([row0, k0])
+    else:
+        tile = _load_tile(ptrs, k0, K, rk, row_mask, EVEN_K)
+    return tile
 
 
 @triton.jit
