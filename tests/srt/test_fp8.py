@@ -19,11 +19,13 @@ from radixlm.srt.layers.quantization.fp8 import (
     FP8,
     FP8_MAX,
     Fp8Linear,
+    Fp8Rows,
     channel_scales,
     dequantize_rows,
     fold_block_scales,
     quantize_rows,
     quantize_tokens,
+    scaled_gemm_rows,
 )
 from tests.helpers import forward_logits, make_tiny_checkpoint
 
@@ -58,6 +60,25 @@ def test_token_scales_follow_each_token():
     q, s = quantize_tokens(x)
     assert s.shape == (5, 1) and torch.allclose(s[:, 0], x.abs().amax(dim=1) / FP8_MAX)
     assert _rel(q.float() * s, x) < E4M3_STEP / 2
+
+
+def test_scaled_gemm_pads_batches_just_past_a_power_of_two():
+    # the lower part of each bucket runs at the bucket's top (see scaled_gemm_rows); small batches, the upper
+    # part of a bucket and prompts run as they are
+    assert [scaled_gemm_rows(m) for m in (1, 32, 33, 40, 41, 64, 65, 80, 81, 128)] == [1, 32, 64, 64, 41, 64, 128,
+                                                                                       128, 81, 128]  # fmt: skip
+    assert [scaled_gemm_rows(m) for m in (129, 160, 224, 225, 256, 257, 8192)] == [256, 256, 256, 225, 256, 257, 8192]
+
+
+@pytest.mark.parametrize("prequant", [False, True])
+def test_matmul_padded_rows_give_the_batch_rows_unchanged(prequant):
+    g = torch.Generator().manual_seed(3)
+    lin = Fp8Linear.from_weight(torch.randn(48, 64, generator=g) * 0.05)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    arg = Fp8Rows(*quantize_tokens(x), x.dtype) if prequant else x
+    plain, padded = lin.matmul(arg, rows=5), lin.matmul(arg, rows=16)
+    assert padded.shape == (5, 48) and padded.dtype == torch.bfloat16
+    assert torch.equal(padded, plain)  # rows are independent: zero rows change nothing but the work
 
 
 def test_matmul_is_the_product_of_the_quantized_operands():
