@@ -40,12 +40,12 @@ def fp8_supported(device: torch.device) -> str | None:
 
 
 def scaled_gemm_rows(m: int) -> int:
-    """The rows to run the scaled GEMM at for a batch of `m` (decode batches; prompts run as they are). cuBLASLt's
-    pick for a row count just past a power of two is slow: on an H200, every 70B projection took 1.3-1.8x longer
-    at 129-160 rows than at 256, and 1.1-1.2x at 65 rows than at 128 (tools/scaled_mm_rows.py). Such batches run
-    padded to the power of two, which is also the row count the skinny-matmul tuner timed the scaled GEMM at: the
-    lower 7/8 of (128, 256] and the lower 5/8 of (32, 64] and (64, 128], where padding measured faster on most
-    projections; above that, the batch's own rows measured faster."""
+    """The rows to run the scaled GEMM at for `m` rows (decode batches and short extends; past 256 rows, as they
+    are). cuBLASLt's pick for a row count just past a power of two is slow: on an H200, every 70B projection took
+    1.3-1.8x longer at 129-160 rows than at 256, and 1.1-1.2x at 65 rows than at 128 (tools/scaled_mm_rows.py).
+    Such batches run padded to the power of two, which is also the row count the skinny-matmul tuner timed the
+    scaled GEMM at: the lower 7/8 of (128, 256] and the lower 5/8 of (32, 64] and (64, 128], where padding
+    measured faster on most projections; above that, the batch's own rows measured faster."""
     if m <= 32 or m > 256:
         return m
     top = 1 << (m - 1).bit_length()
