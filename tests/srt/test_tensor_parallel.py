@@ -124,3 +124,21 @@ def test_fp8_checkpoints_and_online_fp8_shard(tmp_path):
     for got in two[2:]:
         assert 0.01 < _rel(got["whole"], ref) < 0.06
         assert _rel(got["split"], got["whole"]) < 1e-4
+
+
+def test_e4m3_kv_pool_at_tp2(tmp_path):
+    """An e4m3 KV pool at tp 2: every rank runs the calibration forward (its all-reduces with the others'), and
+    calibrates its layers' scales on its own KV heads, so rank 0's scales are at most one rank's (over every
+    head). Logits that read the pool (a prefix from it, a decode step over it) stay within e4m3's error of the
+    same model with a float32 pool, at tp 2 as at tp 1."""
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama", num_key_value_heads=2, **BASE)
+    ref = _run([path], 1, tmp_path)[0]
+    one = _run([path], 1, tmp_path, quantization="kv8")[0]
+    two = _run([path], 2, tmp_path, quantization="kv8")[0]
+    assert ref["kv_scales"] is None and one["kv_scales"] is not None
+    for mine, whole in zip(two["kv_scales"], one["kv_scales"]):  # K, then V: a scale per layer
+        assert len(mine) == len(whole) == 2 and all(0 < a <= b * (1 + 1e-6) for a, b in zip(mine, whole))
+    for key in ("split", "decode"):
+        assert 1e-4 < _rel(one[key], ref[key]) < 0.06, key  # the pool's e4m3 rounding is there, and small
+        assert _rel(two[key], ref[key]) < 0.06, key
+    assert _rel(two["whole"], ref["whole"]) < 0.06

@@ -14,7 +14,8 @@ def run_rank(
     rank: int, size: int, init: str, paths: list[str], ids: list[int], out: str, quantization: str | list = "none"
 ) -> None:
     """`quantization`: one for every checkpoint, or one each; "fp8": the linears in e4m3 through torch's CPU
-    `_scaled_mm` (the device check lifted in this process, as tests/srt/test_fp8.py does)."""
+    `_scaled_mm` (the device check lifted in this process, as tests/srt/test_fp8.py does); "kv8": the linears as
+    they are and an e4m3 KV pool (each rank calibrates its scales on its own KV heads)."""
     import torch.distributed as dist
 
     from radixlm.srt.distributed.parallel import SINGLE, init_tensor_parallel
@@ -44,8 +45,11 @@ def _logits(tp, path: str, ids: list[int], quantization: str) -> dict:
     from radixlm.srt.server_args import ServerArgs
     from tests.helpers import forward_logits
 
-    loaded = load_model(path, dtype="float32", device="cpu", quantization=quantization, tp=tp)
-    runner = ModelRunner(loaded, ServerArgs(model_path=path, max_total_tokens=512, attention_backend="torch_native"))
+    kv8 = quantization == "kv8"
+    loaded = load_model(path, dtype="float32", device="cpu", quantization="none" if kv8 else quantization, tp=tp)
+    args = ServerArgs(model_path=path, max_total_tokens=512, attention_backend="torch_native",
+                      kv_cache_dtype="fp8_e4m3" if kv8 else "auto")  # fmt: skip
+    runner = ModelRunner(loaded, args)
     engine = SimpleNamespace(runner=runner)
     whole = forward_logits(engine, ids)
     split = forward_logits(engine, ids, split=len(ids) // 2)
@@ -78,4 +82,6 @@ def _logits(tp, path: str, ids: list[int], quantization: str) -> dict:
     )
     decode = runner.forward(step)
     heads = (runner.config.num_heads, runner.config.num_kv_heads)
-    return {"whole": whole, "split": split, "decode": decode, "heads": heads}
+    pool = runner.token_to_kv_pool
+    scales = (pool.k_scale, pool.v_scale) if pool.is_fp8 else None
+    return {"whole": whole, "split": split, "decode": decode, "heads": heads, "kv_scales": scales}
