@@ -147,15 +147,18 @@ def test_fp32_greedy_identical_to_one_gpu_with_graphs_eager_and_overlap(ckpt, pr
 
 
 @pytest.mark.skipif(GPUS and fp8_supported(torch.device("cuda")) is not None, reason="needs FP8 tensor cores")
-def test_fp8_at_tp2_within_e4m3_error(ckpt, ids, one_gpu):
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_fp8_at_tp2_within_e4m3_error(ckpt, ids, one_gpu, kv):
     """tp 2 in fp8 errs about as much as one GPU in fp8: the same weights' quantization, while each rank's
-    activations (row-parallel inputs) get their own per-token scales."""
-    one = _engine(ckpt, 1, "bfloat16", quantization="fp8", fp8_lm_head=True)
+    activations (row-parallel inputs) get their own per-token scales; with an e4m3 KV pool too (each rank's
+    layer scales from its own KV heads), against one GPU with that pool."""
+    fp8 = dict(quantization="fp8", fp8_lm_head=True, kv_cache_dtype=kv)
+    one = _engine(ckpt, 1, "bfloat16", **fp8)
     try:
         ref8 = _logits(one, ids)
     finally:
         one.shutdown()
-    e = _engine(ckpt, 2, "bfloat16", quantization="fp8", fp8_lm_head=True)
+    e = _engine(ckpt, 2, "bfloat16", **fp8)
     try:
         got = _logits(e, ids)
         out = e.generate(input_ids=ids[:20], sampling_params={**GREEDY, "max_new_tokens": 16})
