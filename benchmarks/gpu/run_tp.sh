@@ -8,7 +8,8 @@
 #   profile70 bench_decode on the 70B shape in fp8 at each tp > 1, batch 64 at context 1,500 (the serve70 runs'
 #             steady state): step time and a kernel-time table (attention, GEMMs, NCCL) per rank-0 step
 #   serve70   radixlm serve on the 70B shape in fp8 at each tp > 1: 64 users, 512 in / 256 out then
-#             1,000 in / 1,000 out, random words (about a token each with the full-vocabulary tokenizer)
+#             1,000 in / 1,000 out, random words (about a token each with the full-vocabulary tokenizer); the KV
+#             pool in KVTP (default fp8_e4m3, as the one-GPU runs; auto: the model's bf16, the files without _kv8)
 #   prefix    the 8B shape, bf16, shared prefixes (8 groups x 1,500 words, c = 64), tp 1 then tp 2
 #   vllm70    vLLM (PEER_SITE, default /tmp/vllm-site: benchmarks/peers/install_wheelhouse.sh) on the serve70
 #             runs at each tp > 1: `--tensor-parallel-size TP --quantization fp8 --load-format dummy`, same client
@@ -58,7 +59,9 @@ WORKTP=${WORKTP:-512:256:128 1000:1000:128}  # the serve70 and vllm70 workloads
 if stage serve70; then
   for tp in $TPS; do
     [ "$tp" -gt 1 ] || continue
-    HEAD=--fp8-lm-head serve benchmarks/configs/llama-3.1-70b fp8 "$tp" "llama70b_fp8_tp$tp" $WORKTP
+    kv=${KVTP:-fp8_e4m3}; tag=""; [ "$kv" = fp8_e4m3 ] && tag=_kv8
+    HEAD=--fp8-lm-head EXTRA="--kv-cache-dtype $kv ${EXTRA:-}" serve benchmarks/configs/llama-3.1-70b fp8 "$tp" \
+      "llama70b_fp8${tag}_tp$tp" $WORKTP
   done
 fi
 if stage vllm70; then
