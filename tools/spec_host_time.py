@@ -1,0 +1,88 @@
+"""Investigation (issue 34): the host's share of a speculative verify step against a decode step. On a GPU a small
+model's step is host work (the embedded model: a decode step 0.75-1.0 ms on an H100, a verify step 2.6x that), so
+what a verify step adds on the host bounds its speed-up there. This runs the embedded model in-process (the
+copy workload of bench_speculative.py, batch 1, overlap forced as on CUDA), times every scheduler step and, inside
+it, the forward and the sampling (synchronous on a CPU), and prints per step kind the rest: the scheduler's own
+Python. With --profile, a cProfile table of that rest (forward and sampling excluded).
+
+    python tools/spec_host_time.py --output-len 160 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_speculative import prompts  # noqa: E402
+
+import radixlm  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output-len", type=int, default=160)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
+    args = ap.parse_args()
+    kw = dict(log_level="warning", force_overlap_schedule=not args.no_overlap)
+    for name, extra in (("plain", {}), ("ngram", dict(speculative_algorithm="ngram"))):
+        e = radixlm.Engine(None, **kw, **extra)
+        sch, runner = e.scheduler, e.runner
+        ids = prompts(e, "copy", args.batch_size)
+        e.generate(input_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 0})  # warm
+        e.flush_cache()
+        inner = defaultdict(float)
+        for fn in ("run_forward", "sample"):
+            orig = getattr(runner, fn)
+
+            def timed(*a, _orig=orig, _fn=fn, **k):
+                t = time.perf_counter()
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    inner[_fn] += time.perf_counter() - t
+
+            setattr(runner, fn, timed)
+        step, per_kind = sch.step, defaultdict(lambda: [0, 0.0, 0.0])
+
+        def traced():
+            inner.clear()
+            t = time.perf_counter()
+            out = step()
+            total = time.perf_counter() - t
+            kind = sch.last_step.mode if sch.last_step else "?"
+            k = per_kind[kind]
+            k[0] += 1
+            k[1] += total
+            k[2] += total - inner["run_forward"] - inner["sample"]
+            return out
+
+        sch.step = traced
+        prof = cProfile.Profile() if args.profile else None
+        if prof:
+            prof.enable()
+        t0 = time.perf_counter()
+        outs = e.generate(input_ids=ids, sampling_params={"max_new_tokens": args.output_len, "temperature": 0})
+        wall = time.perf_counter() - t0
+        if prof:
+            prof.disable()
+        toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        print(f"{name}: {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s)")
+        for kind, (n, total, host) in sorted(per_kind.items()):
+            print(f"  {kind:8s} steps {n:4d}  step {1e3 * total / n:7.2f} ms  host (no forward, no sampling) "
+                  f"{1e3 * host / n:6.3f} ms")  # fmt: skip
+        if prof:
+            st = pstats.Stats(prof)
+            st.sort_stats("tottime").print_stats(25)
+        e.shutdown()
+
+
+if __name__ == "__main__":
+    main()
