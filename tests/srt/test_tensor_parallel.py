@@ -41,21 +41,48 @@ MODELS = [
 ]
 
 
-def test_sharded_logits_match_one_rank(tmp_path):
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Every model of MODELS at tp 1 and, in one group of processes, at tp 2 (the first model also at tp 4), and
+    the first model once more in the tp-2 group with an e4m3 KV pool (one spawn of ranks for all of it)."""
+    tmp_path = tmp_path_factory.mktemp("sharded")
     paths = []
     for arch, extra in MODELS:
         extra = dict(extra)
         tie = extra.pop("tie", False)
         paths.append(make_tiny_checkpoint(tmp_path / arch, arch, tie=tie, **BASE, **extra))
     one = _run(paths, 1, tmp_path)
-    for size, group in ((2, paths), (4, paths[:1])):
-        many = _run(group, size, tmp_path)
-        for (arch, _), a, b in zip(MODELS, many, one):
+    two = _run([*paths, paths[0]], 2, tmp_path, quantization=["none"] * len(paths) + ["kv8"])
+    four = _run(paths[:1], 4, tmp_path)
+    kv8_one = _run(paths[:1], 1, tmp_path, quantization="kv8")[0]
+    return {"one": one, 2: two[: len(paths)], 4: four, "kv8": (kv8_one, two[-1])}
+
+
+def test_sharded_logits_match_one_rank(sharded):
+    one = sharded["one"]
+    for size in (2, 4):
+        for (arch, _), a, b in zip(MODELS, sharded[size], one):
             assert a["heads"] == (4 // size, max(1, 2 // size)), arch
             for key in ("whole", "split", "decode"):
                 assert a[key].shape == b[key].shape and b[key].shape[-1] == BASE["vocab_size"]
                 assert _rel(a[key], b[key]) < 1e-5, (arch, size, key)
                 assert torch.equal(a[key].argmax(-1), b[key].argmax(-1)), (arch, size, key)
+
+
+def test_e4m3_kv_pool_at_tp2(sharded):
+    """An e4m3 KV pool at tp 2: every rank runs the calibration forward (its all-reduces with the others'), and
+    calibrates its layers' scales on its own KV heads, so rank 0's scales are at most one rank's (over every
+    head). Logits that read the pool (a prefix from it, a decode step over it) stay within e4m3's error of the
+    same model with a float32 pool, at tp 2 as at tp 1."""
+    ref = sharded["one"][0]
+    one, two = sharded["kv8"]
+    assert ref["kv_scales"] is None and one["kv_scales"] is not None
+    for mine, whole in zip(two["kv_scales"], one["kv_scales"]):  # K, then V: a scale per layer
+        assert len(mine) == len(whole) == 2 and all(0 < a <= b * (1 + 1e-6) for a, b in zip(mine, whole))
+    for key in ("split", "decode"):
+        assert 1e-4 < _rel(one[key], ref[key]) < 0.06, key  # the pool's e4m3 rounding is there, and small
+        assert _rel(two[key], ref[key]) < 0.06, key
+    assert _rel(two["whole"], ref["whole"]) < 0.06
 
 
 def test_layout_and_refusals():
@@ -124,21 +151,3 @@ def test_fp8_checkpoints_and_online_fp8_shard(tmp_path):
     for got in two[2:]:
         assert 0.01 < _rel(got["whole"], ref) < 0.06
         assert _rel(got["split"], got["whole"]) < 1e-4
-
-
-def test_e4m3_kv_pool_at_tp2(tmp_path):
-    """An e4m3 KV pool at tp 2: every rank runs the calibration forward (its all-reduces with the others'), and
-    calibrates its layers' scales on its own KV heads, so rank 0's scales are at most one rank's (over every
-    head). Logits that read the pool (a prefix from it, a decode step over it) stay within e4m3's error of the
-    same model with a float32 pool, at tp 2 as at tp 1."""
-    path = make_tiny_checkpoint(tmp_path / "llama", "llama", num_key_value_heads=2, **BASE)
-    ref = _run([path], 1, tmp_path)[0]
-    one = _run([path], 1, tmp_path, quantization="kv8")[0]
-    two = _run([path], 2, tmp_path, quantization="kv8")[0]
-    assert ref["kv_scales"] is None and one["kv_scales"] is not None
-    for mine, whole in zip(two["kv_scales"], one["kv_scales"]):  # K, then V: a scale per layer
-        assert len(mine) == len(whole) == 2 and all(0 < a <= b * (1 + 1e-6) for a, b in zip(mine, whole))
-    for key in ("split", "decode"):
-        assert 1e-4 < _rel(one[key], ref[key]) < 0.06, key  # the pool's e4m3 rounding is there, and small
-        assert _rel(two[key], ref[key]) < 0.06, key
-    assert _rel(two["whole"], ref["whole"]) < 0.06
