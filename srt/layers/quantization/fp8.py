@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.kernels import next_pow2
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale (its values stay zero)
@@ -48,7 +50,7 @@ def scaled_gemm_rows(m: int) -> int:
     measured faster on most projections; above that, the batch's own rows measured faster."""
     if m <= 32 or m > 256:
         return m
-    top = 1 << (m - 1).bit_length()
+    top = next_pow2(m)
     return top if 8 * m <= (7 if top == 256 else 5) * top else m
 
 
@@ -163,9 +165,11 @@ class Fp8Linear:
         m = xq.shape[0]
         if rows is None:
             rows = scaled_gemm_rows(m) if xq.is_cuda else m
-        if rows > m:  # zero rows with unit scales: their outputs are zeros, sliced off below
-            xq_rows, xs_rows = xq.new_zeros(rows, xq.shape[1]), xs.new_ones(rows, 1)
+        if rows > m:  # the batch's rows, then zero rows with unit scales: their outputs are sliced off below
+            xq_rows, xs_rows = xq.new_empty(rows, xq.shape[1]), xs.new_empty(rows, 1)
             xq_rows[:m], xs_rows[:m] = xq, xs.reshape(m, 1)
+            xq_rows[m:].zero_()
+            xs_rows[m:].fill_(1.0)
             xq, xs = xq_rows, xs_rows
         # scale_b [1, N] with scale_a [M, 1]: cuBLASLt's row-wise scaling, applied to the fp32 accumulator
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out_dtype)[:m]
