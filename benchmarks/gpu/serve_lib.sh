@@ -1,12 +1,16 @@
 # Serving runs shared by run_tp.sh and run_fp8.sh (sourced; they define DEST, TOK, left and cap first).
 # serve CONFIG QUANT TP NAME WORKLOADS...: one server (radixlm, or vLLM from PEER_SITE with ENGINE=vllm; HEAD and
-# EXTRA: more server flags), a warm-up, then bench_serving per workload IN:OUT:PROMPTS[:USERS] on random prompts
-# (the full-vocabulary tokenizer: about a token a word), EOS banned; JSON as DEST/NAME_IN_OUT[_cUSERS].json.
+# EXTRA: more server flags; PORT: its port, default 30000 + TP), a warm-up, then bench_serving per workload
+# IN:OUT:PROMPTS[:USERS] on random prompts (the full-vocabulary tokenizer: about a token a word), EOS banned; JSON
+# as DEST/NAME_IN_OUT[_cUSERS].json.
 
 serve() {  # serve CONFIG QUANT TP NAME WORKLOADS... (each IN:OUT:PROMPTS[:USERS], 64 users unless given)
   local cfg=$1 q=$2 tp=$3 name=$4; shift 4
-  [ -d /tmp/tok_full ] || python benchmarks/gpu/full_vocab_tokenizer.py "$TOK" /tmp/tok_full 128256 > /dev/null
-  local port=$((30000 + tp)) url log="$DEST/server_${name}.log"
+  if [ ! -d /tmp/tok_full ]; then  # built aside and renamed: two scripts serving side by side may both build it
+    python benchmarks/gpu/full_vocab_tokenizer.py "$TOK" /tmp/tok_full.$$ 128256 > /dev/null
+    mv -T /tmp/tok_full.$$ /tmp/tok_full 2> /dev/null || rm -rf /tmp/tok_full.$$
+  fi
+  local port=${PORT:-$((30000 + tp))} url log="$DEST/server_${name}.log"
   url=http://127.0.0.1:$port
   echo "== serve $name: ${ENGINE:-radixlm} $cfg $q tp $tp ($(left) s left)"
   local t0=$SECONDS
