@@ -43,7 +43,9 @@ for tma, silu, split, bm in json.loads(sys.argv[1]):
     try:
         opts = {"num_warps": 4, "num_stages": 3}
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-        results.append({"ok": True, "mma": "mma" in ptx, "bulk_tensor": "cp.async.bulk.tensor" in ptx})
+        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        results.append({"ok": True, "mma": "mma" in ptx, "bulk_tensor": "cp.async.bulk.tensor" in ptx,
+                        "pdl": 0 <= wait < launch < ptx.find("mma")})
     except Exception as e:
         results.append({"ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]})
 print(json.dumps(results))
@@ -66,3 +68,6 @@ def test_fp8_mm_kernel_compiles_for_hopper(compiled, case):
     assert result["ok"], result.get("error")
     assert result["mma"]  # the tiles reach the tensor cores
     assert result["bulk_tensor"] == tma  # the copy engine fetches them exactly when TMA is asked for
+    # The next kernel may launch as soon as this one has waited for its input, before any MMA: it is resident
+    # and waiting when this one ends (a launch gap before each norm otherwise)
+    assert result["pdl"]
