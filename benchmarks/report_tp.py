@@ -46,12 +46,24 @@ def serving_rows(root: Path) -> list[dict]:
                 "output": d["output_throughput"],
                 "ttft_p50": d["ttft_ms"]["p50"],
                 "ttft_p99": d["ttft_ms"]["p99"],
+                "itl_mean": d["itl_ms"]["mean"],
                 "itl_p50": d["itl_ms"]["p50"],
+                "itl_p90": d["itl_ms"]["p90"],
                 "itl_p99": d["itl_ms"]["p99"],
                 "completed": d["completed"],
                 "failed": d["failed"],
             }
         )
+    return with_peer_ratio(rows)
+
+
+def with_peer_ratio(rows: list[dict]) -> list[dict]:
+    """Each radixlm row's output tok/s over vLLM's at the same tp and workload (the issue's goal), None where
+    vLLM has no such row (and on vLLM's own rows)."""
+    peer = {(r["tp"], r["workload"]): r["output"] for r in rows if r["engine"] == "vLLM"}
+    for r in rows:
+        p = peer.get((r["tp"], r["workload"])) if r["engine"] == "radixlm" else None
+        r["vs_vllm"] = r["output"] / p if p else None
     return rows
 
 
@@ -72,14 +84,15 @@ def main() -> None:
         )
     serve = serving_rows(root)
     print()
-    print("| engine | model | tp | in/out | total tok/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms", end="")
-    print(" | ok / failed |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
-    for r in sorted(serve, key=lambda r: (r["model"], r["workload"], r["tp"], r["engine"])):
+    print("| engine | model | tp | in/out | total tok/s | output tok/s | vs vLLM | TTFT p50 / p99 ms", end="")
+    print(" | ITL mean / p50 / p90 / p99 ms | ok / failed |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in sorted(serve, key=lambda r: (r["tp"], r["workload"], r["engine"] != "radixlm", r["model"])):
+        ratio = f"{r['vs_vllm']:.2f}x" if r["vs_vllm"] else "-"
         print(
             f"| {r['engine']} | {r['model']} | {r['tp']} | {r['workload'].replace('_', '/')} | {r['total']:,.0f} | "
-            f"{r['output']:,.0f} | {r['ttft_p50']:,.0f} / {r['ttft_p99']:,.0f} | "
-            f"{r['itl_p50']:.1f} / {r['itl_p99']:.1f} | {r['completed']} / {r['failed']} |"
+            f"{r['output']:,.0f} | {ratio} | {r['ttft_p50']:,.0f} / {r['ttft_p99']:,.0f} | {r['itl_mean']:.1f} / "
+            f"{r['itl_p50']:.1f} / {r['itl_p90']:.1f} / {r['itl_p99']:.1f} | {r['completed']} / {r['failed']} |"
         )
     if args.plot and serve:
         import matplotlib
