@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+
 from radixlm.srt import env
 
 try:
@@ -55,4 +61,53 @@ def pdl_args(device) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 
-__all__ = ["triton", "tl", "gdc_launch_dependents", "gdc_wait", "pdl_enabled", "pdl_args"]
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("radixlm_compile_only", default=False)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)`; inside `compile_ahead`, only the compile of that launch's specialization
+    (queued on the compile threads), nothing run."""
+    if _COMPILE_ONLY.get():
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+def compile_ahead(calls: Iterable[Callable[[], object]], workers: int | None = None) -> tuple[int, float] | None:
+    """Compile what each call would launch through `launch`, on `workers` threads at once (Triton's asynchronous
+    compile mode; its passes and ptxas run outside the GIL), and run none of it: a tuner about to time many
+    configs then finds them compiled, instead of compiling one at its first launch after another. A config that
+    cannot be built raises again at its real launch, where the caller handles it. Returns (calls made, seconds),
+    or None where this Triton has no asynchronous compile mode (kernels then compile at their first launch)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode  # noqa: PLC0415
+    except ImportError:
+        return None
+    t0, made = time.perf_counter(), 0
+    token = _COMPILE_ONLY.set(True)
+    try:
+        # the mode's exit waits for every compile and installs the kernels; the pool closes after it
+        with (
+            ThreadPoolExecutor(workers or min(32, os.cpu_count() or 1)) as pool,
+            AsyncCompileMode(pool, ignore_errors=True),
+        ):
+            for call in calls:
+                try:
+                    call()
+                    made += 1
+                except Exception:  # noqa: BLE001, S112 - built (and reported) at its real launch instead
+                    continue
+    finally:
+        _COMPILE_ONLY.reset(token)
+    return made, time.perf_counter() - t0
+
+
+__all__ = [
+    "triton",
+    "tl",
+    "gdc_launch_dependents",
+    "gdc_wait",
+    "pdl_enabled",
+    "pdl_args",
+    "launch",
+    "compile_ahead",
+]

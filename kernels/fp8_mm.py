@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
+from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, launch, pdl_args, tl, triton
 
 
 @triton.jit
@@ -282,7 +282,9 @@ def fp8_mm(
 
         x_src = TensorDescriptor.from_tensor(x, [block_m, block_k])
         w_src = TensorDescriptor.from_tensor(w, [block_n, block_k])
-    _fp8_mm_kernel[grid](
+    launch(
+        _fp8_mm_kernel,
+        grid,
         x_src,
         x_scale.reshape(-1),
         w_src,

@@ -16,7 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels._triton import gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
+from radixlm.kernels._triton import compile_ahead, gdc_launch_dependents, gdc_wait, launch, pdl_args, tl, triton
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,9 @@ def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    launch(
+        _gemv_kernel,
+        (triton.cdiv(n, block_n),),
         x,
         w,
         bias if bias is not None else w,
@@ -239,6 +241,9 @@ class GemvTuner:
         from radixlm.kernels.fp8_mm import counters_at_rest, fp8_mm  # noqa: PLC0415
 
         lines = []
+        ahead = compile_ahead(self._launches(weights))
+        if ahead is not None and ahead[0]:
+            lines.append(f"compiled {ahead[0]} candidate launches ahead in {ahead[1]:.1f} s")
         for w, fused, scale in weights:
             gpu = torch.cuda.get_device_name(w.device)
             buckets = (*CONFIGS, *(MMA_CONFIGS if scale is not None else ()))
@@ -315,6 +320,27 @@ class GemvTuner:
             del copies
         self.report += lines
         return lines
+
+    def _launches(self, weights: list[tuple[torch.Tensor, bool, torch.Tensor | None]]):
+        """Each candidate launch `tune` will time and has not decided yet (a zero-argument call), for
+        `compile_ahead`: the same kernels, configs and batch rows, so the same specializations."""
+        from radixlm.kernels.fp8_mm import CONFIGS as MMA_CONFIGS  # noqa: PLC0415
+        from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
+        from radixlm.kernels.fp8_mm import fp8_mm  # noqa: PLC0415
+
+        for w, fused, scale in weights:
+            gpu, fp8 = torch.cuda.get_device_name(w.device), scale is not None
+            for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ())):
+                key = (w.shape[0], w.shape[1], fused, bm, fp8)
+                if key in self.choice or (gpu, key) in _DECIDED:
+                    continue
+                x = torch.randn(bm, w.shape[1], dtype=torch.bfloat16 if fp8 else w.dtype, device=w.device)
+                if fp8:
+                    for cfg in MMA_CONFIGS[mma_bucket(bm)]:
+                        yield lambda x=x, cfg=cfg, w=w, s=scale, f=fused: fp8_mm(x, w, s, None, cfg, f)
+                else:
+                    for cfg in CONFIGS.get(bm, ()):
+                        yield lambda x=x, cfg=cfg, w=w, f=fused: _launch(x, w, None, f, cfg)
 
 
 def _check_rows(w: torch.Tensor, scale: torch.Tensor | None, fused: bool, rows: int = 4096):
