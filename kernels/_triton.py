@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -74,20 +73,23 @@ def launch(kernel, grid, *args, **kwargs):
 
 def compile_ahead(calls: Iterable[Callable[[], object]], workers: int | None = None) -> tuple[int, float] | None:
     """Compile what each call would launch through `launch`, on `workers` threads at once (Triton's asynchronous
-    compile mode; its passes and ptxas run outside the GIL), and run none of it: a tuner about to time many
-    configs then finds them compiled, instead of compiling one at its first launch after another. A config that
+    compile mode; its passes and ptxas run outside the GIL), without running those kernels (one a call launches
+    directly, such as fp8_mm's activation quantization, runs as usual): a tuner about to time many configs then
+    finds them compiled, instead of compiling one at its first launch after another. A config that
     cannot be built raises again at its real launch, where the caller handles it. Returns (calls made, seconds),
     or None where this Triton has no asynchronous compile mode (kernels then compile at their first launch)."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode  # noqa: PLC0415
     except ImportError:
         return None
+    from radixlm.srt.cpu_threads import usable_cpus  # noqa: PLC0415 - the cgroup's share, not the host's cores
+
     t0, made = time.perf_counter(), 0
     token = _COMPILE_ONLY.set(True)
     try:
         # the mode's exit waits for every compile and installs the kernels; the pool closes after it
         with (
-            ThreadPoolExecutor(workers or min(32, os.cpu_count() or 1)) as pool,
+            ThreadPoolExecutor(workers or min(32, usable_cpus())) as pool,
             AsyncCompileMode(pool, ignore_errors=True),
         ):
             for call in calls:

@@ -322,25 +322,34 @@ class GemvTuner:
         return lines
 
     def _launches(self, weights: list[tuple[torch.Tensor, bool, torch.Tensor | None]]):
-        """Each candidate launch `tune` will time and has not decided yet (a zero-argument call), for
-        `compile_ahead`: the same kernels, configs and batch rows, so the same specializations."""
+        """Each candidate launch `tune` will make and has not decided yet (a zero-argument call), for
+        `compile_ahead`: the same kernels, configs and batch rows, on the whole weight (the timed calls) and on
+        its band of rows (the correctness call: a row count that divides by 16 where the weight's may not is
+        another specialization); a launch that both make compiles once."""
         from radixlm.kernels.fp8_mm import CONFIGS as MMA_CONFIGS  # noqa: PLC0415
         from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
         from radixlm.kernels.fp8_mm import fp8_mm  # noqa: PLC0415
 
         for w, fused, scale in weights:
             gpu, fp8 = torch.cuda.get_device_name(w.device), scale is not None
-            for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ())):
-                key = (w.shape[0], w.shape[1], fused, bm, fp8)
-                if key in self.choice or (gpu, key) in _DECIDED:
-                    continue
+            pending = [
+                bm
+                for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ()))
+                if (w.shape[0], w.shape[1], fused, bm, fp8) not in self.choice
+                and (gpu, (w.shape[0], w.shape[1], fused, bm, fp8)) not in _DECIDED
+            ]
+            if not pending:
+                continue
+            band = _check_rows(w, scale, fused)
+            for bm in pending:
                 x = torch.randn(bm, w.shape[1], dtype=torch.bfloat16 if fp8 else w.dtype, device=w.device)
-                if fp8:
-                    for cfg in MMA_CONFIGS[mma_bucket(bm)]:
-                        yield lambda x=x, cfg=cfg, w=w, s=scale, f=fused: fp8_mm(x, w, s, None, cfg, f)
-                else:
-                    for cfg in CONFIGS.get(bm, ()):
-                        yield lambda x=x, cfg=cfg, w=w, f=fused: _launch(x, w, None, f, cfg)
+                for c, s in {id(w): (w, scale), id(band[0]): band}.values():
+                    if fp8:
+                        for cfg in MMA_CONFIGS[mma_bucket(bm)]:
+                            yield lambda x=x, cfg=cfg, c=c, s=s, f=fused: fp8_mm(x, c, s, None, cfg, f)
+                    else:
+                        for cfg in CONFIGS.get(bm, ()):
+                            yield lambda x=x, cfg=cfg, c=c, f=fused: _launch(x, c, None, f, cfg)
 
 
 def _check_rows(w: torch.Tensor, scale: torch.Tensor | None, fused: bool, rows: int = 4096):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 CASES = [(False, True, 1, 64), (False, False, 4, 64), (True, False, 1, 16), (True, True, 2, 128)]
 
 _CHILD = r"""
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -44,8 +44,9 @@ for tma, silu, split, bm in json.loads(sys.argv[1]):
         opts = {"num_warps": 4, "num_stages": 3}
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
         wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-        results.append({"ok": True, "mma": "mma" in ptx, "bulk_tensor": "cp.async.bulk.tensor" in ptx,
-                        "pdl": 0 <= wait < launch < ptx.find("mma")})
+        mma = re.search(r"\b(wgmma|mma)\.", ptx)  # the first MMA instruction
+        results.append({"ok": True, "mma": mma is not None, "bulk_tensor": "cp.async.bulk.tensor" in ptx,
+                        "pdl": mma is not None and 0 <= wait < launch < mma.start()})
     except Exception as e:
         results.append({"ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]})
 print(json.dumps(results))
