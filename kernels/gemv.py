@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels._triton import compile_ahead, gdc_launch_dependents, gdc_wait, launch, pdl_args, tl, triton
+from radixlm.kernels.fp8_mm import CONFIGS as MMA_CONFIGS
+from radixlm.kernels.fp8_mm import bucket as mma_bucket
+from radixlm.kernels.fp8_mm import counters_at_rest, fp8_mm
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +225,6 @@ class GemvTuner:
 
     @staticmethod
     def bucket(m: int, fp8: bool) -> int | None:
-        from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
-
         if m == 0 or m > (256 if fp8 else MAX_M):
             return None
         return _block_m(m) if m <= MAX_M else mma_bucket(m)
@@ -236,28 +237,19 @@ class GemvTuner:
     def tune(self, weights: list[tuple[torch.Tensor, bool, torch.Tensor | None]]) -> list[str]:
         """weights: one (weight, fused with silu_mul, per-row scale of an FP8 weight or None) per distinct shape.
         Returns a line per decision."""
-        from radixlm.kernels.fp8_mm import CONFIGS as MMA_CONFIGS  # noqa: PLC0415
-        from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
-        from radixlm.kernels.fp8_mm import counters_at_rest, fp8_mm  # noqa: PLC0415
-
         lines = []
         ahead = compile_ahead(self._launches(weights))
         if ahead is not None and ahead[0]:
             lines.append(f"compiled {ahead[0]} candidate launches ahead in {ahead[1]:.1f} s")
         for w, fused, scale in weights:
-            gpu = torch.cuda.get_device_name(w.device)
-            buckets = (*CONFIGS, *(MMA_CONFIGS if scale is not None else ()))
-            keys = [(w.shape[0], w.shape[1], fused, bm, scale is not None) for bm in buckets]
-            for k in keys:
-                if k not in self.choice and (gpu, k) in _DECIDED:
-                    self.choice[k] = _DECIDED[(gpu, k)]
-            if all(k in self.choice for k in keys):
+            fp8 = scale is not None
+            pending = self._pending(w, fused, fp8)
+            if not pending:
                 continue
             # Distinct copies of the weight, together 4x the L2 cache, so that each timed call streams its
             # weights from HBM as it does inside a real step (where the other layers evicted them).
             l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
             copies = [w] + [w.clone() for _ in range(min(7, -(-4 * l2 // (w.numel() * w.element_size())) - 1))]
-            fp8 = scale is not None
             dtype = torch.bfloat16 if fp8 else w.dtype
             # Correctness is checked on a band of rows (the same kernel and K; an exact copy of a whole LM head
             # would not fit beside a model that fills the GPU)
@@ -268,28 +260,19 @@ class GemvTuner:
                     return (gemv_silu_mul_ref if fused else gemv_ref)(x, c)
                 return _silu_mul(scaled_mm_ref(x, c, s)) if fused else scaled_mm_ref(x, c, s)
 
-            def candidate(kind, x, c, cfg, s=scale):
-                return fp8_mm(x, c, s, None, cfg, fused) if kind == "mma" else _launch(x, c, None, fused, cfg)
-
-            for bm in buckets:
+            for bm in pending:
                 key = (w.shape[0], w.shape[1], fused, bm, fp8)
-                if key in self.choice:
-                    continue
                 x = torch.randn(bm, w.shape[1], dtype=dtype, device=w.device)
                 base = _time_calls([lambda c=c: library(x, c) for c in copies])
                 best, best_t = None, base
-                if fp8:
-                    tries = [("mma", cfg) for cfg in MMA_CONFIGS[mma_bucket(bm)]]
-                else:
-                    tries = [("gemv", cfg) for cfg in CONFIGS.get(bm, ())]
                 expect = library(x, cw, cs)  # the same arithmetic: a wrong config is far off
                 ours, failed, wrong = (None, float("inf")), 0, []
-                for kind, cfg in tries:
+                for kind, cfg in _tries(bm, fp8):
                     # A split-K config must leave its tile counters at 0 (counters_at_rest also clears them, so
                     # that one config's fault is not blamed on the next)
                     at_rest = lambda: kind != "mma" or counters_at_rest(w.device)  # noqa: E731
                     try:
-                        err = _rel_err(candidate(kind, x, cw, cfg, cs), expect)
+                        err = _rel_err(_candidate(kind, x, cw, cs, cfg, fused), expect)
                     except Exception as e:  # noqa: BLE001 - a config this GPU or compiler cannot build
                         logger.debug("skinny matmul %s %s failed: %s", kind, cfg, e)
                         failed += 1
@@ -299,14 +282,14 @@ class GemvTuner:
                     if not rest or not err <= 2e-2:  # never a wrong one (nor one whose error is not a number)
                         wrong.append(f"{cfg} err {err:.2g}" + ("" if rest else ", counters left set"))
                         continue
-                    t = _time_calls([lambda c=c, kind=kind, cfg=cfg: candidate(kind, x, c, cfg) for c in copies])
+                    t = _time_calls([lambda c=c, k=kind, g=cfg: _candidate(k, x, c, scale, g, fused) for c in copies])
                     if not at_rest():  # replayed back to back, it left a counter set
                         wrong.append(f"{cfg} counters left set")
                         continue
                     ours = min(ours, ((kind, cfg), t), key=lambda p: p[1])
                     if t < best_t:
                         best, best_t = (kind, cfg), t
-                self.choice[key] = _DECIDED[(gpu, key)] = best
+                self.choice[key] = _DECIDED[(torch.cuda.get_device_name(w.device), key)] = best
                 lib = "scaled GEMM" if fp8 else "cuBLAS"
                 # what lost says as much as what won: the fastest of ours, and any that could not run or were wrong
                 lost = f"; ours at best {ours[0][1]} {ours[1] * 1e3:.1f} us" if best is None and ours[0] else ""
@@ -321,35 +304,46 @@ class GemvTuner:
         self.report += lines
         return lines
 
-    def _launches(self, weights: list[tuple[torch.Tensor, bool, torch.Tensor | None]]):
-        """Each candidate launch `tune` will make and has not decided yet (a zero-argument call), for
-        `compile_ahead`: the same kernels, configs and batch rows, on the whole weight (the timed calls) and on
-        its band of rows (the correctness call: a row count that divides by 16 where the weight's may not is
-        another specialization); a launch that both make compiles once."""
-        from radixlm.kernels.fp8_mm import CONFIGS as MMA_CONFIGS  # noqa: PLC0415
-        from radixlm.kernels.fp8_mm import bucket as mma_bucket  # noqa: PLC0415
-        from radixlm.kernels.fp8_mm import fp8_mm  # noqa: PLC0415
+    def _pending(self, w: torch.Tensor, fused: bool, fp8: bool) -> list[int]:
+        """The batch buckets of this weight still to time: picks this process made already on this GPU model are
+        taken as they are (see _DECIDED)."""
+        gpu, pending = torch.cuda.get_device_name(w.device), []
+        for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ())):
+            key = (w.shape[0], w.shape[1], fused, bm, fp8)
+            if key not in self.choice and (gpu, key) in _DECIDED:
+                self.choice[key] = _DECIDED[(gpu, key)]
+            if key not in self.choice:
+                pending.append(bm)
+        return pending
 
+    def _launches(self, weights: list[tuple[torch.Tensor, bool, torch.Tensor | None]]):
+        """Each candidate launch `tune` will make (a zero-argument call), for `compile_ahead`: the same kernels,
+        configs and batch rows, on the whole weight (the timed calls) and on its band of rows (the correctness
+        call: a row count that divides by 16 where the weight's may not is another specialization); a launch
+        that both make compiles once."""
         for w, fused, scale in weights:
-            gpu, fp8 = torch.cuda.get_device_name(w.device), scale is not None
-            pending = [
-                bm
-                for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ()))
-                if (w.shape[0], w.shape[1], fused, bm, fp8) not in self.choice
-                and (gpu, (w.shape[0], w.shape[1], fused, bm, fp8)) not in _DECIDED
-            ]
+            fp8 = scale is not None
+            pending = self._pending(w, fused, fp8)
             if not pending:
                 continue
             band = _check_rows(w, scale, fused)
             for bm in pending:
                 x = torch.randn(bm, w.shape[1], dtype=torch.bfloat16 if fp8 else w.dtype, device=w.device)
                 for c, s in {id(w): (w, scale), id(band[0]): band}.values():
-                    if fp8:
-                        for cfg in MMA_CONFIGS[mma_bucket(bm)]:
-                            yield lambda x=x, cfg=cfg, c=c, s=s, f=fused: fp8_mm(x, c, s, None, cfg, f)
-                    else:
-                        for cfg in CONFIGS.get(bm, ()):
-                            yield lambda x=x, cfg=cfg, c=c, f=fused: _launch(x, c, None, f, cfg)
+                    for kind, cfg in _tries(bm, fp8):
+                        yield lambda x=x, kind=kind, cfg=cfg, c=c, s=s, f=fused: _candidate(kind, x, c, s, cfg, f)
+
+
+def _tries(bm: int, fp8: bool) -> list[tuple[str, tuple]]:
+    """The candidates for a batch of `bm` rows: the tensor-core kernel's configs of its bucket for FP8 weights,
+    this module's GEMV configs otherwise."""
+    if fp8:
+        return [("mma", cfg) for cfg in MMA_CONFIGS[mma_bucket(bm)]]
+    return [("gemv", cfg) for cfg in CONFIGS.get(bm, ())]
+
+
+def _candidate(kind: str, x: torch.Tensor, w: torch.Tensor, scale, cfg: tuple, fused: bool) -> torch.Tensor:
+    return fp8_mm(x, w, scale, None, cfg, fused) if kind == "mma" else _launch(x, w, None, fused, cfg)
 
 
 def _check_rows(w: torch.Tensor, scale: torch.Tensor | None, fused: bool, rows: int = 4096):

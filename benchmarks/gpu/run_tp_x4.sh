@@ -13,12 +13,15 @@ DEST=$1; shift
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 here=benchmarks/gpu
 mkdir -p "$DEST"
+bundle() {  # the bundle's Python with this tree on its path (run_tp.sh sets up its own)
+  source .gpu-bundle/activate
+  export PYTHONPATH=$PWD:$PYTHONPATH RADIXLM_TEST_TOKENIZER=$PWD/.gpu-bundle/tokenizer
+}
 for stage in "$@"; do
   case $stage in
   first)
     (
-      source .gpu-bundle/activate
-      export PYTHONPATH=$PWD:$PYTHONPATH RADIXLM_TEST_TOKENIZER=$PWD/.gpu-bundle/tokenizer
+      bundle
       CUDA_VISIBLE_DEVICES=2 timeout 420 python -m pytest -q -m gpu tests --ignore tests/gpu/test_tp_cuda.py \
         -p no:cacheprovider --tb=short 2>&1 | grep -v -i warn | tail -40 > "$DEST/pytest_one_gpu.txt"
     ) &
@@ -27,8 +30,7 @@ for stage in "$@"; do
     wait $one
     tail -3 "$DEST/pytest_one_gpu.txt"
     (
-      source .gpu-bundle/activate
-      export PYTHONPATH=$PWD:$PYTHONPATH RADIXLM_TEST_TOKENIZER=$PWD/.gpu-bundle/tokenizer
+      bundle
       t=tests/gpu/test_tp_cuda.py
       timeout 240 python -m pytest -q -m gpu "$t::test_bf16_logits_within_one_gpus_rounding[4]" \
         "$t::test_fp32_greedy_identical_to_one_gpu_with_graphs_eager_and_overlap[4]" 2>&1 | grep -v -i warn |
