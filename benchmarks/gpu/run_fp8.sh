@@ -7,6 +7,7 @@
 #            (triton backend), beside the plain PyTorch graph step
 #   kv8      the 8B shape in fp8 (fp8 head), bf16 KV then fp8 KV, context 2048
 #   decode70 bench_decode on the 70B shape in fp8 at batch 1 and 8, the LM head fp8 then bf16 (fits one 80 GB card)
+#   profile8 the 8B shape in fp8 (fp8 head) at batch 1, profiled: a kernel-time table per step (DEST/profile8.txt)
 #   profile70 the 70B shape in fp8 (fp8 head) at batch 1 and 8, profiled: a kernel-time table per step (DEST/profile70.txt)
 #   steady70 the 70B shape in fp8 (fp8 head, e4m3 pool) at batch 1, 64 and 160 (STEADY_BATCHES) at context 1,500,
 #            profiled: the serving runs' steady decode step (DEST/steady70.txt)
@@ -67,6 +68,10 @@ fi
 if stage decode70; then  # HEADS70="fp8": the fp8 head only
   HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8_head 1 8
   [[ "${HEADS70:-fp8 bf16}" == *bf16* ]] && decode benchmarks/configs/llama-3.1-70b fp8 decode70b_fp8 1 8
+fi
+if stage profile8; then
+  PROFILE=$DEST/profile8.txt HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-8b fp8 profile8 1
+  grep -A16 "^timeline" "$DEST/profile8.txt"
 fi
 if stage profile70; then
   PROFILE=$DEST/profile70.txt HEAD=--fp8-lm-head decode benchmarks/configs/llama-3.1-70b fp8 profile70 1 8
