@@ -155,11 +155,6 @@ def _fp8_mm_kernel(
         u = _tile(w_src, u_rows, n0 + up_offset, k_lo, K, rk, n_mask, EVEN_K, TMA)
     if USE_PDL:
         gdc_wait()
-        # The kernel after this one may launch now: it fires once every program of this one has got here, i.e.
-        # once the last wave has started (no program of this one waits for an SM slot its programs would hold),
-        # and it waits for this one's completion before reading its output. Launched here rather than after the
-        # K loop, its programs are resident and waiting when this one ends, not still being launched.
-        gdc_launch_dependents()
     xt = tl.trans(_tile(x_src, x_rows, m0, k_lo, K, rk, m_mask, EVEN_K, TMA))
     acc = tl.dot(w, xt)
     acc_up = tl.dot(u, xt) if SILU_MUL else acc
@@ -168,6 +163,11 @@ def _fp8_mm_kernel(
         acc = _mma(_tile(w_src, w_rows, n0, k0, K, rk, n_mask, EVEN_K, TMA), xt, acc, PRECISE)
         if SILU_MUL:
             acc_up = _mma(_tile(w_src, u_rows, n0 + up_offset, k0, K, rk, n_mask, EVEN_K, TMA), xt, acc_up, PRECISE)
+    if USE_PDL:
+        # The next kernel may launch once every program is past its K loop. Firing right after gdc_wait instead
+        # (its programs resident and waiting sooner) was measured on the 70B step: no gain at batch 1, 0.7%
+        # slower at batch 8 (benchmarks/results/README.md, "early launch of the next kernel").
+        gdc_launch_dependents()
     _finish(acc, acc_up, pid_n, pid_m, pid_k, rn, rm, n_mask, m_mask, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
             count_ptr, stride_om, up_offset, HAS_BIAS, SILU_MUL, SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
 
