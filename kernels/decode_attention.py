@@ -69,27 +69,24 @@ def _attend_split(
     F32_DOT: tl.constexpr,
     F16_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    HP: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = False,
 ):
-    """Split `s` of `num_splits` of one request's KV for the query heads of KV heads `kvh` .. `kvh + HP - 1`:
-    the split's normalized output [BLOCK_H, HP * BLOCK_D] (float32; row g's result in column block g // GROUP,
-    see `_heads_tile`) and its log-sum-exp [BLOCK_H] (log2 units; -inf for an empty split, which a merge weighs
-    as zero).
-
-    With HP > 1 a token's HP neighbouring KV heads (HP * D contiguous elements of the pool) come in one read
-    instead of HP programs' separate reads of D each. The dots stay two-dimensional: the query tile is block
-    diagonal (row g holds its head's query in column block g // GROUP, zeros elsewhere), so q @ k^T gives each
-    row its own head's scores, and p @ v's off-diagonal blocks are never stored. With GROUP = 8 and HP = 2 the
-    16 rows a tensor-core dot needs are all real heads (HP = 1 pads 8 rows to 16)."""
+    """Split `s` of `num_splits` of one request's KV for the query heads of KV head `kvh`: the split's
+    normalized output [BLOCK_H, BLOCK_D] (float32) and its log-sum-exp [BLOCK_H] (log2 units; -inf for an empty
+    split, which a merge weighs as zero)."""
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    g, c, ch, cd, tile_mask = _heads_tile(GROUP, BLOCK_H, D, BLOCK_D, HP)
+    g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + g
-    dmask = cd < D
-    q = tl.load(q_ptr + qb * stride_qb + heads[:, None] * stride_qh + cd[None, :], mask=tile_mask, other=0.0)
+    hmask = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(
+        q_ptr + qb * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if F16_DOT:  # e4m3 KV: e4m3 -> f16 is one exact instruction, e4m3 -> bf16 is not (see decode_attention);
         # a query element past float16's range saturates instead of becoming inf
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
@@ -97,42 +94,24 @@ def _attend_split(
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HP * BLOCK_D], tl.float32)
-    k_cols = (kvh + ch) * stride_kh + cd
-    v_cols = (kvh + ch) * stride_vh + cd
-    if PREFETCH:  # the next tile's K and V are read while this one's dots run (registers, not shared memory)
-        k, v, nmask = _kv_tile(k_ptr, v_ptr, r2t_ptr, row, stride_r2t, stride_ks, stride_vs, k_cols, v_cols, dmask,
-                               start, end, BLOCK_N)  # fmt: skip
-        for n0 in range(start, end, BLOCK_N):
-            k_next, v_next, nmask_next = _kv_tile(k_ptr, v_ptr, r2t_ptr, row, stride_r2t, stride_ks, stride_vs,
-                                                  k_cols, v_cols, dmask, n0 + BLOCK_N, end, BLOCK_N)  # fmt: skip
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * qk_scale  # log2 units
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-            k, v, nmask = k_next, v_next, nmask_next
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < end
-            slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + slots[:, None] * stride_ks + k_cols[None, :], mask=kv_mask, other=0.0)
-            k = k.to(q.dtype)  # e4m3 KV to the dot's dtype
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            v = tl.load(v_ptr + slots[:, None] * stride_vs + v_cols[None, :], mask=kv_mask, other=0.0)
-            v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)  # e4m3 KV to the dot's dtype
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -140,42 +119,13 @@ def _attend_split(
 
 
 @triton.jit
-def _kv_tile(k_ptr, v_ptr, r2t_ptr, row, stride_r2t, stride_ks, stride_vs, k_cols, v_cols, dmask, n0, end,
-             BLOCK_N: tl.constexpr):  # fmt: skip
-    """Keys n0 .. n0 + BLOCK_N - 1 (those before `end`) of a request's row: their K and V tiles (the pool's
-    dtype) and the keys' mask; nothing is read past `end`."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    nmask = n < end
-    slots = tl.load(r2t_ptr + row * stride_r2t + n, mask=nmask, other=0).to(tl.int64)
-    kv_mask = nmask[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + slots[:, None] * stride_ks + k_cols[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + slots[:, None] * stride_vs + v_cols[None, :], mask=kv_mask, other=0.0)
-    return k, v, nmask
-
-
-@triton.jit
-def _heads_tile(GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                HP: tl.constexpr):  # fmt: skip
-    """The index vectors of a [BLOCK_H, HP * BLOCK_D] tile of HP KV heads' query heads: row g, column c, the
-    column's KV head within the program (ch) and its element (cd), and the mask of the tile's real entries (a
-    real head, a real element, and, with HP > 1, the row's own column block)."""
-    g = tl.arange(0, BLOCK_H)
-    c = tl.arange(0, HP * BLOCK_D)
-    ch = c // BLOCK_D
-    cd = c % BLOCK_D
-    mask = (g < GROUP * HP)[:, None] & (cd < D)[None, :]
-    if HP > 1:
-        mask = mask & ((g // GROUP)[:, None] == ch[None, :])
-    return g, c, ch, cd, mask
-
-
-@triton.jit
 def _store_heads(ptr, base, stride_h, tile, kvh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                 BLOCK_D: tl.constexpr, HP: tl.constexpr = 1):  # fmt: skip
-    """A [BLOCK_H, HP * BLOCK_D] tile of KV heads `kvh` .. `kvh + HP - 1`'s query heads (row g's result in
-    column block g // GROUP) to ptr[base + head * stride_h + d]."""
-    g, c, ch, cd, mask = _heads_tile(GROUP, BLOCK_H, D, BLOCK_D, HP)
-    tl.store(ptr + base + (kvh * GROUP + g)[:, None] * stride_h + cd[None, :], tile, mask=mask)
+                 BLOCK_D: tl.constexpr):  # fmt: skip
+    """A [BLOCK_H, BLOCK_D] tile of KV head `kvh`'s query heads to ptr[base + head * stride_h + d]."""
+    g = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (g < GROUP)[:, None] & (d < D)[None, :]
+    tl.store(ptr + base + (kvh * GROUP + g)[:, None] * stride_h + d[None, :], tile, mask=mask)
 
 
 @triton.jit
@@ -193,13 +143,12 @@ def _store_split(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    HP: tl.constexpr = 1,
 ):
     """A split's result into the partials a merge reads: mid_o[mo_base + head * stride_moh], mid_lse[ml_base +
     head * stride_mlh]."""
-    _store_heads(mid_o_ptr, mo_base, stride_moh, out, kvh, GROUP=GROUP, BLOCK_H=BLOCK_H, D=D, BLOCK_D=BLOCK_D, HP=HP)
+    _store_heads(mid_o_ptr, mo_base, stride_moh, out, kvh, GROUP=GROUP, BLOCK_H=BLOCK_H, D=D, BLOCK_D=BLOCK_D)
     g = tl.arange(0, BLOCK_H)
-    tl.store(mid_lse_ptr + ml_base + (kvh * GROUP + g) * stride_mlh, lse, mask=g < GROUP * HP)
+    tl.store(mid_lse_ptr + ml_base + (kvh * GROUP + g) * stride_mlh, lse, mask=g < GROUP)
 
 
 @triton.jit
@@ -272,11 +221,9 @@ def _decode_stage1(
     DOT_PREC: tl.constexpr,
     HAS_QROWS: tl.constexpr,
     DIRECT: tl.constexpr,
-    HP: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1) * HP  # this program's first KV head
+    kvh = tl.program_id(1)
     s = tl.program_id(2)
     qb = b.to(tl.int64)
     if HAS_QROWS:  # the request's row of q (and of out) in a larger batch
@@ -310,13 +257,10 @@ def _decode_stage1(
         F32_DOT=F32_DOT,
         F16_DOT=F16_DOT,
         DOT_PREC=DOT_PREC,
-        HP=HP,
-        PREFETCH=PREFETCH,
     )
     if DIRECT:  # one split: its output is the answer (times an FP8 pool's V scale: the output is linear in V)
         tile = (out * o_scale).to(out_ptr.dtype.element_ty)
-        _store_heads(out_ptr, qb * stride_ob, stride_oh, tile, kvh, GROUP=GROUP, BLOCK_H=BLOCK_H, D=D, BLOCK_D=BLOCK_D,
-                     HP=HP)  # fmt: skip
+        _store_heads(out_ptr, qb * stride_ob, stride_oh, tile, kvh, GROUP=GROUP, BLOCK_H=BLOCK_H, D=D, BLOCK_D=BLOCK_D)
     else:
         _store_split(
             out,
@@ -332,7 +276,6 @@ def _decode_stage1(
             BLOCK_H=BLOCK_H,
             D=D,
             BLOCK_D=BLOCK_D,
-            HP=HP,
         )
 
 
@@ -414,8 +357,6 @@ def decode_attention(
     v_scale: float = 1.0,
     f16_dot: bool | None = None,
     direct: bool | None = None,
-    heads_per_program: int = 1,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [slots, KVH, D] (e4m3 with `k_scale` / `v_scale`, or q's dtype);
     req_to_token: [rows, max_ctx] int32;
@@ -424,8 +365,7 @@ def decode_attention(
     batch, read and written in place, without a gather and a scatter around the call).
     `f16_dot` (default: for an e4m3 pool): the dots in float16, the query rounded to it, since e4m3 widens to
     float16 exactly in one instruction; `direct` (default: one split): stage 1 writes the output and no merge
-    runs; `heads_per_program`: KV heads per program (a power of two dividing the KV heads; see `_attend_split`);
-    `prefetch`: each tile's K and V are read during the previous tile's dots."""
+    runs."""
     h, d = q.shape[1], q.shape[2]
     b = q.shape[0] if q_rows is None else q_rows.shape[0]
     kvh = k_cache.shape[1]
@@ -435,8 +375,6 @@ def decode_attention(
     if b == 0:
         return out
     assert 1 <= num_splits <= MAX_SPLITS
-    hp = heads_per_program
-    assert hp >= 1 and hp & (hp - 1) == 0 and kvh % hp == 0, f"{hp} KV heads per program of {kvh}"
     block_n, num_stages = launch_defaults(k_cache.dtype, num_splits, block_n, num_stages)
     if f16_dot is None:
         f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
@@ -452,7 +390,7 @@ def decode_attention(
         mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
     block_d = next_pow2(d)
     rows_arg = q_rows if q_rows is not None else seq_lens  # any int tensor when unused (HAS_QROWS=False)
-    _decode_stage1[(b, kvh // hp, num_splits)](
+    _decode_stage1[(b, kvh, num_splits)](
         q,
         rows_arg,
         k_cache,
@@ -478,7 +416,7 @@ def decode_attention(
         v_scale,
         num_splits,
         GROUP=group,
-        BLOCK_H=max(16, next_pow2(group * hp)),
+        BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n,
         D=d,
         BLOCK_D=block_d,
@@ -487,8 +425,6 @@ def decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         HAS_QROWS=q_rows is not None,
         DIRECT=direct,
-        HP=hp,
-        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
     )

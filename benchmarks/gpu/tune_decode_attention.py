@@ -3,8 +3,7 @@ beside the default (page size 1, KV slots scattered over the pool). Shapes: --he
 64/8), head size 128; --kv-dtype e4m3 also sweeps the float16 dots (`f16_dot`); a one-split setting is timed
 with its output written by stage 1 (`direct`) and with the merge.
 Usage: python benchmarks/gpu/tune_decode_attention.py --batch-sizes 64 160 --context 1500 --heads 64 \
-    --kv-dtype e4m3 --out tune.json
-(--heads-per-program 1 2 4 --prefetch 0 1: KV heads read together per program, the next tile read early)"""
+    --kv-dtype e4m3 --out tune.json"""
 
 from __future__ import annotations
 
@@ -51,17 +50,15 @@ def time_us(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def settings(bs: int, kvh: int, sms: int, fp8: bool, args: argparse.Namespace):
-    splits = args.splits or sorted(
+def settings(bs: int, kvh: int, sms: int, fp8: bool, block_ns=(32, 64, 128), warps_list=(4, 8)):
+    splits = sorted(
         {max(1, min(16, math.ceil(w * sms / (bs * kvh)))) for w in (1, 2, 4, 8)} | {decode_num_splits(bs, kvh, sms)}
     )
-    f16s = ((True,) if args.f16_only else (True, False)) if fp8 else (False,)
-    for s, block_n, warps, stages, f16, hp, pf in itertools.product(
-        splits, args.block_n, args.warps, args.stages, f16s, args.heads_per_program, args.prefetch
+    for s, block_n, warps, stages, f16 in itertools.product(
+        splits, block_ns, warps_list, (2, 3, 4), (True, False) if fp8 else (False,)
     ):
         for direct in (True, False) if s == 1 else (False,):
-            yield {"splits": s, "block_n": block_n, "warps": warps, "stages": stages, "f16_dot": f16, "direct": direct,
-                   "heads_per_program": hp, "prefetch": bool(pf)}  # fmt: skip
+            yield {"splits": s, "block_n": block_n, "warps": warps, "stages": stages, "f16_dot": f16, "direct": direct}
 
 
 def main() -> None:
@@ -74,11 +71,6 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128], help="keys per tile to sweep")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps per program to sweep")
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4], help="pipeline stages to sweep")
-    ap.add_argument("--splits", type=int, nargs="+", default=None, help="split counts (default: 1-8 waves)")
-    ap.add_argument("--heads-per-program", type=int, nargs="+", default=[1], help="KV heads per program")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0], choices=[0, 1], help="read the next tile early")
-    ap.add_argument("--f16-only", action="store_true", help="e4m3: only the float16 dots (the default's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     fp8 = args.kv_dtype == "e4m3"
@@ -93,12 +85,11 @@ def main() -> None:
         # the kernel's own choices (launch_defaults: tiles and stages by KV dtype and split count)
         default = {"splits": decode_num_splits(bs, args.kv_heads, sms), "block_n": None, "warps": 4, "stages": None}
         found = []
-        for st in [default, *settings(bs, args.kv_heads, sms, fp8, args)]:
+        for st in [default, *settings(bs, args.kv_heads, sms, fp8, args.block_n, args.warps)]:
             out = torch.empty_like(q)
             kw = dict(out=out, block_n=st["block_n"], num_warps=st["warps"], num_stages=st["stages"])
             if "f16_dot" in st:
-                kw.update(f16_dot=st["f16_dot"], direct=st["direct"], heads_per_program=st["heads_per_program"],
-                          prefetch=st["prefetch"])  # fmt: skip
+                kw.update(f16_dot=st["f16_dot"], direct=st["direct"])
             fn = lambda: decode_attention(q, k, v, r2t, rows, lens, D**-0.5, st["splits"], **kw)  # noqa: E731
             try:
                 us = time_us(fn)
@@ -114,8 +105,7 @@ def main() -> None:
         for r in found[: args.top]:
             print(
                 f"   splits {r['splits']:2d} block_n {r['block_n']} warps {r['warps']} stages {r['stages']} "
-                f"f16 {r.get('f16_dot')} direct {r.get('direct')} hp {r.get('heads_per_program')} "
-                f"prefetch {r.get('prefetch')}: {r['us']:7.1f} us {r['tb_per_s']:.2f} TB/s "
+                f"f16 {r.get('f16_dot')} direct {r.get('direct')}: {r['us']:7.1f} us {r['tb_per_s']:.2f} TB/s "
                 f"err {r['rel_err']:.1e}"
             )
         results += found

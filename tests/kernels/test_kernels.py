@@ -129,38 +129,6 @@ def test_decode_attention(dtype, heads, kv_heads, head_dim, lens, splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,hp,prefetch", [(16, 4, 2, False), (16, 4, 4, True), (6, 2, 2, False),
-                                                        (6, 2, 1, True), (16, 4, 2, True)])  # fmt: skip
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_attention_several_kv_heads_per_program(dtype, heads, kv_heads, hp, prefetch, splits):
-    """Programs that read `hp` neighbouring KV heads of a token at once (a block-diagonal query tile) give the
-    reference's output, directly (one split) and through the merge; a group of 3 leaves padded rows between.
-    With `prefetch` the next tile is read during this one's dots (splits of 1-5 tiles: a row of 1 key, of 70)."""
-    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref
-
-    lens = [1, 70, 5, 33]
-    g, k_cache, v_cache, r2t, rows = _paged_setup(dtype, heads, kv_heads, 32, lens, 7 * hp + splits)
-    q = torch.randn(len(lens), heads, 32, generator=g).to(DEV, dtype)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    out = poison(torch.empty_like(q))
-    decode_attention(q, k_cache, v_cache, r2t, rows, seq_lens, 0.2, splits, out=out, block_n=16, heads_per_program=hp,
-                     prefetch=prefetch)  # fmt: skip
-    ref = decode_attention_ref(q, k_cache, v_cache, r2t, rows, seq_lens, 0.2)
-    assert rel_err(out, ref) < tol(dtype)
-
-
-def test_decode_attention_refuses_kv_heads_per_program_that_do_not_tile():
-    from radixlm.kernels.decode_attention import decode_attention
-
-    g, k_cache, v_cache, r2t, rows = _paged_setup(torch.float32, 8, 4, 16, [5], 0)
-    q = torch.randn(1, 8, 16, generator=g).to(DEV)
-    lens = torch.tensor([5], dtype=torch.int32, device=DEV)
-    for hp in (3, 8):  # not a power of two; more than the KV heads
-        with pytest.raises(AssertionError, match="KV heads per program"):
-            decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.25, 1, heads_per_program=hp)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_rows_in_place(dtype):
     """With q_rows, each request reads its query row of a larger q and writes the same row of out; the other
     rows of out are left as they were."""

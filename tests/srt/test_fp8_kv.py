@@ -75,26 +75,6 @@ def test_decode_attention_reads_an_e4m3_pool(splits):
 
 @needs_triton
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_attention_reads_two_kv_heads_of_an_e4m3_pool_at_once(splits):
-    """The 70B shape's group of 8 with two KV heads per program (all 16 rows of the dot real heads), float16
-    dots: the reference's output, and the one-head-per-program kernel's to float16 rounding."""
-    g = torch.Generator().manual_seed(20 + splits)
-    b, h, kvh, d, slots = 3, 32, 4, 64, 64
-    kc, vc = _pool(slots, kvh, d, 0.02, splits)
-    q = torch.randn(b, h, d, generator=g).to(torch.bfloat16)
-    r2t = torch.randperm(slots - 1, generator=g)[: 3 * 20].view(3, 20).to(torch.int32) + 1
-    rows, lens = torch.tensor([0, 1, 2]), torch.tensor([20, 7, 13], dtype=torch.int32)
-    scales = dict(k_scale=0.02, v_scale=0.02 / 3)
-    want = decode_attention_ref(q, kc, vc, r2t, rows, lens, 0.125, **scales)
-    one = decode_attention(q, kc, vc, r2t, rows, lens, 0.125, splits, **scales)
-    two = decode_attention(q, kc, vc, r2t, rows, lens, 0.125, splits, heads_per_program=2, **scales)
-    assert _rel(two, want) < 0.01 and _rel(two, one) < 2e-3
-    ahead = decode_attention(q, kc, vc, r2t, rows, lens, 0.125, splits, heads_per_program=2, prefetch=True, **scales)
-    assert torch.equal(ahead, two)  # the same tiles in the same order, read earlier
-
-
-@needs_triton
-@pytest.mark.parametrize("splits", [1, 3])
 def test_decode_attention_dots_an_e4m3_pool_in_float16(splits):
     """A bf16 query over an e4m3 pool: the dots run in float16 (e4m3 widens to it exactly; the query is rounded
     to it) by default, and agree with the float32 reference as closely as the bf16-dot path does; the rows
