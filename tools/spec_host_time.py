@@ -5,7 +5,7 @@ copy workload of bench_speculative.py, batch 1, overlap forced as on CUDA), time
 it, the forward and the sampling (synchronous on a CPU), and prints per step kind the rest: the scheduler's own
 Python. With --profile, a cProfile table of that rest (forward and sampling excluded).
 
-    python tools/spec_host_time.py --output-len 160 [--profile]
+    python tools/spec_host_time.py --output-len 160 [--profile] [--torch-profile 30] [--draft-tokens 8] [key=value]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import torch  # noqa: E402
 from bench_speculative import prompts  # noqa: E402
 
 import radixlm  # noqa: E402
@@ -30,9 +31,18 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--torch-profile", type=int, default=0, help="print torch.profiler's top N ops (ngram run)")
+    ap.add_argument("--draft-tokens", type=int, default=None)
+    ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
     args = ap.parse_args()
     kw = dict(log_level="warning", force_overlap_schedule=not args.no_overlap)
-    for name, extra in (("plain", {}), ("ngram", dict(speculative_algorithm="ngram"))):
+    for a in args.engine_args:
+        k, v = a.split("=", 1)
+        kw[k] = int(v) if v.isdigit() else v
+    spec = dict(speculative_algorithm="ngram")
+    if args.draft_tokens:
+        spec["speculative_num_draft_tokens"] = args.draft_tokens
+    for name, extra in (("plain", {}), ("ngram", spec)):
         e = radixlm.Engine(None, **kw, **extra)
         sch, runner = e.scheduler, e.runner
         ids = prompts(e, "copy", args.batch_size)
@@ -68,9 +78,22 @@ def main() -> None:
         prof = cProfile.Profile() if args.profile else None
         if prof:
             prof.enable()
+        tprof = None
+        if args.torch_profile and name == "ngram":
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            tprof = profile(activities=acts)
+            tprof.__enter__()
         t0 = time.perf_counter()
         outs = e.generate(input_ids=ids, sampling_params={"max_new_tokens": args.output_len, "temperature": 0})
         wall = time.perf_counter() - t0
+        if tprof is not None:
+            tprof.__exit__(None, None, None)
+            avg = tprof.key_averages()
+            print(avg.table(sort_by="cpu_time_total", row_limit=args.torch_profile, max_name_column_width=60))
+            if torch.cuda.is_available():
+                print(avg.table(sort_by="self_cuda_time_total", row_limit=args.torch_profile, max_name_column_width=60))
         if prof:
             prof.disable()
         toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
