@@ -44,18 +44,32 @@ MODELS = [
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """Every model of MODELS at tp 1 and, in one group of processes, at tp 2 (the first model also at tp 4), and
-    the first model once more in the tp-2 group with an e4m3 KV pool (one spawn of ranks for all of it)."""
+    in that same tp-2 group the first model once more with an e4m3 KV pool and the FP8 checkpoints of
+    test_fp8_checkpoints_and_online_fp8_shard (one spawn of two ranks for all of it)."""
+    from tests.srt.test_fp8 import SIZES, _to_fp8_checkpoint
+
     tmp_path = tmp_path_factory.mktemp("sharded")
     paths = []
     for arch, extra in MODELS:
         extra = dict(extra)
         tie = extra.pop("tie", False)
         paths.append(make_tiny_checkpoint(tmp_path / arch, arch, tie=tie, **BASE, **extra))
+    src = make_tiny_checkpoint(tmp_path / "bf16", "llama", **{**SIZES, "vocab_size": BASE["vocab_size"]})
+    fp8s = [_to_fp8_checkpoint(src, tmp_path / m, m) for m in ("compressed-tensors", "fp8")]
+    fp8_group = [*fp8s, src, *fp8s]
+    fp8_methods = ["none", "none", "fp8", "fp8", "fp8"]
     one = _run(paths, 1, tmp_path)
-    two = _run([*paths, paths[0]], 2, tmp_path, quantization=["none"] * len(paths) + ["kv8"])
+    two = _run([*paths, paths[0], *fp8_group], 2, tmp_path, ["none"] * len(paths) + ["kv8"] + fp8_methods)
     four = _run(paths[:1], 4, tmp_path)
     kv8_one = _run(paths[:1], 1, tmp_path, quantization="kv8")[0]
-    return {"one": one, 2: two[: len(paths)], 4: four, "kv8": (kv8_one, two[-1])}
+    n = len(paths)
+    return {
+        "one": one,
+        2: two[:n],
+        4: four,
+        "kv8": (kv8_one, two[n]),
+        "fp8": {"src": src, "checkpoints": fp8s, 2: two[n + 1 :]},
+    }
 
 
 def test_sharded_logits_match_one_rank(sharded):
@@ -132,19 +146,18 @@ def test_engine_with_two_ranks_answers_as_one_and_checks_its_batches(tmp_path):
         two.shutdown()
 
 
-def test_fp8_checkpoints_and_online_fp8_shard(tmp_path):
+def test_fp8_checkpoints_and_online_fp8_shard(sharded, tmp_path):
     """The FP8 checkpoint formats users download, each rank reading its part (per-channel weights sliced with their
     scales; block-scaled ones folded, then sliced): dequantized (where FP8 does not run) at tp 2 they are exactly
     the one-rank model. Run in FP8 at tp 2, online from bf16 weights too, the logits stay within e4m3's error of
     the fp32 model's (a row-parallel shard's scales and each rank's activation scales are over its own columns,
-    so not bit-equal to one rank's)."""
-    from tests.srt.test_fp8 import SIZES, _to_fp8_checkpoint
-
-    src = make_tiny_checkpoint(tmp_path / "bf16", "llama", **{**SIZES, "vocab_size": BASE["vocab_size"]})
-    fp8s = [_to_fp8_checkpoint(src, tmp_path / m, m) for m in ("compressed-tensors", "fp8")]
-    ref = _run([src], 1, tmp_path)[0]["whole"]
-    one = _run(fp8s, 1, tmp_path)
-    two = _run([*fp8s, src, *fp8s], 2, tmp_path, quantization=["none", "none", "fp8", "fp8", "fp8"])  # one group
+    so not bit-equal to one rank's). The tp-2 run is the `sharded` fixture's group: [*fp8s, src, *fp8s], the
+    first two dequantized, the last three in FP8."""
+    fp8 = sharded["fp8"]
+    ref = _run([fp8["src"]], 1, tmp_path)[0]["whole"]
+    one = _run(fp8["checkpoints"], 1, tmp_path)
+    two = fp8[2]
+    assert len(two) == 5
     for a, b in zip(two, one):
         assert _rel(a["whole"], b["whole"]) < 1e-5 and _rel(a["decode"], b["decode"]) < 1e-5
         assert 0.001 < _rel(b["whole"], ref) < 0.05  # the checkpoints' e4m3 rounding is there
