@@ -39,7 +39,13 @@ for tma, silu, split, bm in json.loads(sys.argv[1]):
     const = dict(HAS_BIAS=False, SILU_MUL=silu, EVEN_K=True, TMA=tma, USE_PDL=True, PRECISE=True, SPLIT_K=split,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     sig.update({k: "constexpr" for k in const})
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    # A launch tells the compiler which pointers and integers divide by 16 (tensors' data; a real weight's N, K and
+    # strides; not a decode batch's M), and that changes the code (vector widths, whether loads are pipelined
+    # through shared memory): give the same hints, so that this is the program a launch would build
+    hints = [a for a, t in sig.items() if (t.startswith("*") or t == "i32") and a != "M"]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)  # fmt: skip
     try:
         opts = {"num_warps": 4, "num_stages": 3}
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
