@@ -1,4 +1,4 @@
-"""Skinny matmuls for small decode batches: y = x @ W.T (+ bias) with x [M <= 16, K], W [N, K] row-major.
+"""Skinny matmuls for small decode batches: y = x @ W.T (+ bias) with x [M <= 8, K], W [N, K] row-major.
 
 At batch 1 a decode step is weight streaming: every layer's GEMMs read 0.44 GB of an 8B model's weights for a
 few FLOPs per byte, and cuBLAS picks tensor-core tiles sized for M >= 16 that leave the small projections
@@ -23,7 +23,7 @@ from radixlm.kernels.fp8_mm import counters_at_rest, fp8_mm
 
 logger = logging.getLogger(__name__)
 
-MAX_M = 16
+MAX_M = 8
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,14 +133,11 @@ CONFIGS: dict[int, list[tuple[int, int, int]]] = {
     2: [(8, 256, 4), (8, 128, 4), (4, 256, 4)],
     4: [(8, 128, 4), (4, 256, 4), (4, 128, 4)],
     8: [(4, 128, 4), (8, 64, 4), (2, 256, 4)],
-    # 9-16 rows: a verify step of 8 drafted tokens, small decode batches. The CUDA cores do 16 FMAs per weight
-    # element here, so these win only where a matrix is small enough for cuBLAS's launch and tiles to dominate.
-    16: [(2, 128, 4), (4, 64, 4), (1, 256, 4), (2, 256, 8)],
 }
 
 
 def _block_m(m: int) -> int:
-    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8 if m <= 8 else 16
+    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
 
 
 def _launch(x, w, bias, silu_mul: bool, config: tuple[int, int, int]) -> torch.Tensor:
@@ -185,7 +182,7 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16), w [N, K] contiguous rows -> [M, N]."""
+    """x [M, K] (M <= 8), w [N, K] contiguous rows -> [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1
     return _launch(x, w, bias, False, config or CONFIGS[_block_m(x.shape[0])][0])
 
@@ -196,7 +193,7 @@ def gemv_silu_mul(
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16), w [2N, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, N]."""
+    """x [M, K] (M <= 8), w [2N, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T), [M, N]."""
     assert x.shape[0] <= MAX_M and w.stride(1) == 1 and w.shape[0] % 2 == 0
     return _launch(x, w, bias, True, config or CONFIGS[_block_m(x.shape[0])][0])
 
@@ -217,7 +214,7 @@ _DECIDED: dict[tuple[str, tuple], tuple[str, tuple] | None] = {}
 
 class GemvTuner:
     """Per (N, K, fused, M bucket, FP8 weight): the fastest of the library path (None: cuBLAS; for FP8 weights
-    the scaled GEMM) and our kernels: this module's GEMV configs for bf16/fp16 weights up to batch 16, the
+    the scaled GEMM) and our kernels: this module's GEMV configs for bf16/fp16 weights up to batch 8, the
     tensor-core kernel's configs (`fp8_mm.py`) for FP8 weights up to batch 256; timed on this GPU once per
     process. A pick is ("gemv" | "mma", config). Every FP8 candidate computes W8A8 (x quantized per token): a
     W8A16 GEMV was as fast at batch 1, but a request's numerics would then change with the batch it runs in."""
@@ -311,7 +308,7 @@ class GemvTuner:
         """The batch buckets of this weight still to time: picks this process made already on this GPU model are
         taken as they are (see _DECIDED)."""
         gpu, pending = torch.cuda.get_device_name(w.device), []
-        for bm in dict.fromkeys((*CONFIGS, *(MMA_CONFIGS if fp8 else ()))):  # 16 is in both
+        for bm in (*CONFIGS, *(MMA_CONFIGS if fp8 else ())):
             key = (w.shape[0], w.shape[1], fused, bm, fp8)
             if key not in self.choice and (gpu, key) in _DECIDED:
                 self.choice[key] = _DECIDED[(gpu, key)]

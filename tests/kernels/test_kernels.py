@@ -234,10 +234,7 @@ def test_kv_indices():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "m,n,k,bias",
-    [(1, 37, 300, False), (3, 64, 256, True), (8, 20, 96, False), (9, 24, 160, True), (16, 33, 128, False)],
-)
+@pytest.mark.parametrize("m,n,k,bias", [(1, 37, 300, False), (3, 64, 256, True), (8, 20, 96, False)])
 def test_gemv(dtype, m, n, k, bias):
     from radixlm.kernels.gemv import CONFIGS, _block_m, gemv, gemv_ref, gemv_silu_mul, gemv_silu_mul_ref
 
