@@ -454,7 +454,9 @@ def test_the_default_measures_and_answers_as_plain_decoding(ref):
         s = e.scheduler
         assert s.spec_gate is not None and s.drafter.cfg.measured
         got = _texts(e, COPY_HEAVY[:1], params) + _texts(e, FREE_FORM, params)
-        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref(COPY_HEAVY[:1] + FREE_FORM, params)]
+        want = ref(COPY_HEAVY + FREE_FORM, params)  # the greedy test's plain answers (memoized), less COPY_HEAVY[1:]
+        want = want[:1] + want[len(COPY_HEAVY) :]
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
         assert s.spec_gate.step >= 40 and s.stats.spec_verify_steps >= 1  # it looked, and drafted at batch 1
         assert s.stats.spec_gate_closures == s.spec_gate.closures
         assert_engine_idle(e)
