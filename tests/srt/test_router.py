@@ -58,8 +58,10 @@ def _hits(url: str) -> tuple[int, int]:
 
 
 def _shared_prefix_run(url: str, requests) -> tuple[float, list[str]]:
+    """The prompt-token hit rate of a burst of `requests` (8 at a time) after each system prompt was sent once,
+    one request at a time: every prefix is then cached on one worker before the burst, so the rate measures
+    where the policy sends the burst, not which of two concurrent first requests of a group won the race."""
     assert httpx.post(f"{url}/flush_cache", timeout=60).json()["success"]
-    c0, p0 = _hits(url)
     client = _client(url)
 
     def one(r):
@@ -67,6 +69,9 @@ def _shared_prefix_run(url: str, requests) -> tuple[float, list[str]]:
         out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0)
         return out.choices[0].message.content
 
+    for system in dict.fromkeys(r[0] for r in requests):
+        one((system, "Warm-up: what is a cache?"))
+    c0, p0 = _hits(url)
     with ThreadPoolExecutor(8) as ex:
         answers = list(ex.map(one, requests))
     c1, p1 = _hits(url)
