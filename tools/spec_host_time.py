@@ -11,6 +11,7 @@ Python. With --profile, a cProfile table of that rest (forward and sampling excl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import sys
@@ -21,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import torch  # noqa: E402
 from bench_speculative import prompts  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from workloads import engine_kwargs  # noqa: E402
 
 import radixlm  # noqa: E402
 
@@ -35,10 +38,7 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=None)
     ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
     args = ap.parse_args()
-    kw = dict(log_level="warning", force_overlap_schedule=not args.no_overlap)
-    for a in args.engine_args:
-        k, v = a.split("=", 1)
-        kw[k] = int(v) if v.isdigit() else v
+    kw = dict(log_level="warning", force_overlap_schedule=not args.no_overlap, **engine_kwargs(args.engine_args))
     spec = dict(speculative_algorithm="ngram")
     if args.draft_tokens:
         spec["speculative_num_draft_tokens"] = args.draft_tokens
@@ -80,16 +80,13 @@ def main() -> None:
             prof.enable()
         tprof = None
         if args.torch_profile and name == "ngram":
-            from torch.profiler import ProfilerActivity, profile
-
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             tprof = profile(activities=acts)
-            tprof.__enter__()
-        t0 = time.perf_counter()
-        outs = e.generate(input_ids=ids, sampling_params={"max_new_tokens": args.output_len, "temperature": 0})
-        wall = time.perf_counter() - t0
+        with tprof or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            outs = e.generate(input_ids=ids, sampling_params={"max_new_tokens": args.output_len, "temperature": 0})
+            wall = time.perf_counter() - t0
         if tprof is not None:
-            tprof.__exit__(None, None, None)
             avg = tprof.key_averages()
             print(avg.table(sort_by="cpu_time_total", row_limit=args.torch_profile, max_name_column_width=60))
             if torch.cuda.is_available():
