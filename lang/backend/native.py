@@ -196,13 +196,15 @@ class RuntimeEndpoint(NativeBackend):
         # One client is shared by every thread of run_batch and fork, each with one request in flight at a time,
         # so the pool is not capped: httpx's default (100 connections, 20 kept alive) would queue requests past
         # 100 threads and close and reopen a connection for most calls past 20 (a 64-thread run_batch opened
-        # ~220 connections for 256 calls). Idle connections still expire after keepalive_expiry.
+        # ~220 connections for 256 calls). Idle connections expire after 4 s, before uvicorn's default 5 s
+        # keep-alive closes them: at equal timeouts a POST can go out on a connection the server is closing, and
+        # httpx does not resend a POST ("Server disconnected without sending a response").
         self.client = httpx.Client(
             base_url=self.base_url,
             headers=headers,
             timeout=timeout,
             verify=True if verify is None else verify,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=4.0),
         )
         self.model_info = self._get("/get_model_info")
 
