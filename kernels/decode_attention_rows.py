@@ -15,6 +15,7 @@ from radixlm.kernels.decode_attention import (
     _merge_splits,
     _store_split,
     decode_num_splits,
+    default_v_staged,
     launch_defaults,
 )
 
@@ -56,6 +57,7 @@ def _rows_stage1(
     F32_DOT: tl.constexpr,
     F16_DOT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    V_STAGED: tl.constexpr,
 ):
     n = tl.load(ctl_ptr).to(tl.int32)
     splits = tl.load(ctl_ptr + 1).to(tl.int32)
@@ -97,6 +99,7 @@ def _rows_stage1(
         F32_DOT=F32_DOT,
         F16_DOT=F16_DOT,
         DOT_PREC=DOT_PREC,
+        V_STAGED=V_STAGED,
     )
     _store_split(
         out,
@@ -194,6 +197,7 @@ def decode_attention_rows(
     block_d = next_pow2(d)
     # the split count is the device's, so the tile is chosen as for a few splits (many rows)
     block_n, num_stages = launch_defaults(k_cache.dtype, 1, block_n, None)
+    f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32  # as decode_attention's default
     _rows_stage1[(max_items * kvh,)](
         q,
         q_rows,
@@ -223,8 +227,9 @@ def decode_attention_rows(
         D=d,
         BLOCK_D=block_d,
         F32_DOT=INTERPRET,
-        F16_DOT=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,  # as decode_attention's default
+        F16_DOT=f16_dot,
         DOT_PREC=dot_precision(q.dtype),
+        V_STAGED=default_v_staged(k_cache.dtype, f16_dot),
         num_warps=4,
         num_stages=num_stages,
     )

@@ -178,3 +178,30 @@ def test_fp8_mm_sums_a_long_k_as_the_scaled_gemm_does(m, config):
     truncated = _rel_err(fp8_mm(x, wq, ws.reshape(-1), config=config, precise=False), ref)
     assert promoted < 1.5e-3, promoted
     assert truncated > 1.5 * promoted, (promoted, truncated)
+
+
+@pytest.mark.parametrize("batch", [3, 64])  # several splits and a merge; one split written by stage 1
+def test_e4m3_decode_attention_with_v_widened_first_as_without(batch):
+    """An e4m3 pool's V tiles widened to float16 before the P x V dot's layout change (the default on compiled
+    code) give the output of widening them inside it: the same exact conversion and float16 dots, only the
+    shared-memory route differs (MMA sums may round differently in the last bits), and both are near the float32
+    reference. 64 query heads on 8 KV heads (the 70B shape), uneven context lengths."""
+    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
+
+    g = torch.Generator().manual_seed(batch)
+    h, kvh, d, pool = 64, 8, 128, 40_000
+    k = (torch.randn(pool, kvh, d, generator=g) * 2).to("cuda", torch.float8_e4m3fn)
+    v = (torch.randn(pool, kvh, d, generator=g) * 2).to("cuda", torch.float8_e4m3fn)
+    lens = torch.randint(1, 600, (batch,), generator=g, dtype=torch.int32)
+    r2t = torch.zeros(batch + 1, 608, dtype=torch.int32)
+    r2t[1:, :600] = (torch.randperm(pool - 1, generator=g)[: batch * 600] + 1).view(batch, 600).to(torch.int32)
+    q = torch.randn(batch, h, d, generator=g).to("cuda", torch.bfloat16)
+    args = (q, k, v, r2t.cuda(), torch.arange(1, batch + 1).cuda(), lens.cuda(), d**-0.5)
+    splits = decode_num_splits(batch, kvh, torch.cuda.get_device_properties(0).multi_processor_count)
+    scales = dict(k_scale=0.5, v_scale=0.25)
+    ref = decode_attention_ref(*args, **scales).float()
+    staged = decode_attention(*args, splits, v_staged=True, **scales).float()
+    inside = decode_attention(*args, splits, v_staged=False, **scales).float()
+    assert ((staged - inside).norm() / inside.norm()).item() < 2e-3
+    for out in (staged, inside):
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-2

@@ -77,3 +77,49 @@ def test_fp8_mm_kernel_compiles_for_hopper(compiled, case):
     assert result["bulk_tensor"] == tma  # the copy engine fetches them exactly when TMA is asked for
     # The input is waited for before the first MMA reads it, and the next kernel launches after the last MMA
     assert result["pdl"]
+
+
+_DECODE_CHILD = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from radixlm.kernels.decode_attention import _decode_stage1 as fn
+
+ptrs = {"q_ptr": "*bf16", "qrows_ptr": "*i64", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "r2t_ptr": "*i32",
+        "rows_ptr": "*i64", "lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": "*bf16"}
+results = []
+for staged in json.loads(sys.argv[1]):
+    sig = {a: ptrs.get(a, "fp32" if a in ("qk_scale", "o_scale") else "i32") for a in fn.arg_names
+           if a in ptrs or a.startswith("stride") or a in ("qk_scale", "o_scale", "num_splits")}
+    # the 70B shape's launch on an e4m3 pool: 8 query heads a KV head, 128 keys a tile, one split
+    const = dict(GROUP=8, BLOCK_H=16, BLOCK_N=128, D=128, BLOCK_D=128, F32_DOT=False, F16_DOT=True, DOT_PREC="ieee",
+                 V_STAGED=staged, HAS_QROWS=False, DIRECT=True)
+    sig.update({k: "constexpr" for k in const})
+    hints = [a for a, t in sig.items() if t.startswith("*") or a.startswith("stride")]  # as a launch gives them
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)  # fmt: skip
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 5})
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x128x128xf8E4M3FN", ttgir)
+    results.append({"mma": bool(re.search(r"\bmma\.sync", ptx)), "kv_buffers": [int(b) for b in buffers],
+                    "byte_loads": len(re.findall(r"ld\.shared\.[bu]8", ptx))})
+print(json.dumps(results))
+"""
+
+
+def test_e4m3_decode_attention_reads_shared_memory_in_words_on_hopper():
+    """The decode attention over an e4m3 pool as compiled for Hopper with its default launch (five stages, V widened
+    first): V is read from shared memory in 32-bit words or wider, where the P x V dot's layout change on the e4m3
+    tile reads it a byte at a time (the second compile shows the check sees that), and K and V each get two
+    shared-memory buffers, so the next tile's copy overlaps this one's dots."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _DECODE_CHILD, json.dumps([True, False])], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    staged, inside = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert staged["mma"] and inside["mma"]
+    assert staged["byte_loads"] == 0
+    assert inside["byte_loads"] >= 64  # 128 x 128 bytes over 128 threads
+    assert staged["kv_buffers"] == [2, 2]
