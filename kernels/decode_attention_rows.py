@@ -162,10 +162,10 @@ def _rows_stage2(
     )
 
 
-def rows_items_cap(max_rows: int, num_kv_heads: int, num_sms: int) -> int:
+def rows_items_cap(max_rows: int, num_kv_heads: int, num_sms: int, kv_dtype: torch.dtype | None = None) -> int:
     """The most (row, split) items a batch of up to `max_rows` rows needs when each gets
     decode_num_splits(rows) splits: what `decode_attention_rows` buffers for."""
-    return max(n * decode_num_splits(n, num_kv_heads, num_sms) for n in range(1, max(1, max_rows) + 1))
+    return max(n * decode_num_splits(n, num_kv_heads, num_sms, kv_dtype) for n in range(1, max(1, max_rows) + 1))
 
 
 def decode_attention_rows(

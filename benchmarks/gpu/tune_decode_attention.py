@@ -56,11 +56,11 @@ def settings(
     bs: int, kvh: int, sms: int, fp8: bool, block_ns=(32, 64, 128), warps_list=(4, 8), stages_list=(2, 3, 4),
     default_splits_only: bool = False, f16_only: bool = False,
 ):  # fmt: skip
-    splits = sorted(
-        {max(1, min(16, math.ceil(w * sms / (bs * kvh)))) for w in (1, 2, 4, 8)} | {decode_num_splits(bs, kvh, sms)}
-    )
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    default = decode_num_splits(bs, kvh, sms, kv_dtype)
+    splits = sorted({max(1, min(16, math.ceil(w * sms / (bs * kvh)))) for w in (1, 2, 4, 8)} | {default})
     if default_splits_only:
-        splits = [decode_num_splits(bs, kvh, sms)]
+        splits = [default]
     for s, block_n, warps, stages, f16 in itertools.product(
         splits, block_ns, warps_list, stages_list, (True,) if fp8 and f16_only else (True, False) if fp8 else (False,)
     ):
@@ -118,7 +118,8 @@ def main() -> None:
         ref = decode_attention_ref(q[:2], k, v, r2t, rows[:2], lens[:2], D**-0.5)
         nbytes = bs * args.context * args.kv_heads * D * 2 * kv_dtype.itemsize
         # the kernel's own choices (launch_defaults: tiles and stages by KV dtype and split count)
-        default = {"splits": decode_num_splits(bs, args.kv_heads, sms), "block_n": None, "warps": 4, "stages": None}
+        splits = decode_num_splits(bs, args.kv_heads, sms, kv_dtype)
+        default = {"splits": splits, "block_n": None, "warps": 4, "stages": None}
         # the defaults before V tiles were widened ahead of the dot's layout change, beside them
         unstaged = {**default, "f16_dot": fp8, "direct": default["splits"] == 1, "v_staged": False}
         found = []

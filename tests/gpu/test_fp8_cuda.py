@@ -197,7 +197,7 @@ def test_e4m3_decode_attention_with_v_widened_first_as_without(batch):
     r2t[1:, :600] = (torch.randperm(pool - 1, generator=g)[: batch * 600] + 1).view(batch, 600).to(torch.int32)
     q = torch.randn(batch, h, d, generator=g).to("cuda", torch.bfloat16)
     args = (q, k, v, r2t.cuda(), torch.arange(1, batch + 1).cuda(), lens.cuda(), d**-0.5)
-    splits = decode_num_splits(batch, kvh, torch.cuda.get_device_properties(0).multi_processor_count)
+    splits = decode_num_splits(batch, kvh, torch.cuda.get_device_properties(0).multi_processor_count, k.dtype)
     scales = dict(k_scale=0.5, v_scale=0.25)
     ref = decode_attention_ref(*args, **scales).float()
     staged = decode_attention(*args, splits, v_staged=True, **scales).float()

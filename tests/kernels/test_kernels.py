@@ -190,6 +190,25 @@ def test_decode_attention_rows(dtype, splits):
     assert torch.equal(out, per_batch)
 
 
+def test_decode_split_counts():
+    """Splits fill about two waves of programs; an e4m3 pool's launch runs unsplit (stage 1 writes the output)
+    from one full wave of (request, KV head) programs, and the rows kernel's buffer holds the most items any row
+    count needs under either rule."""
+    from radixlm.kernels.decode_attention import MAX_SPLITS, decode_num_splits
+    from radixlm.kernels.decode_attention_rows import rows_items_cap
+
+    e4m3 = torch.float8_e4m3fn
+    assert decode_num_splits(1, 8, 132) == MAX_SPLITS == decode_num_splits(1, 8, 132, e4m3)
+    assert decode_num_splits(32, 8, 132) == 2  # 256 programs: two waves of 132 want two splits
+    assert decode_num_splits(32, 8, 132, e4m3) == 1
+    assert decode_num_splits(16, 8, 132, e4m3) == decode_num_splits(16, 8, 132) == 3  # 128 programs < 132 SMs
+    assert decode_num_splits(17, 8, 132, e4m3) == 1
+    for dtype in (None, e4m3):
+        cap = rows_items_cap(64, 8, 132, dtype)
+        assert cap == max(n * decode_num_splits(n, 8, 132, dtype) for n in range(1, 65))
+    assert rows_items_cap(64, 8, 132, e4m3) == 64  # every row count from 17 on is unsplit; 16 x 3 = 48 below
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64)])
 @pytest.mark.parametrize(

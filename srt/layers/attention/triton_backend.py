@@ -73,8 +73,9 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_extend_graph = True
 
-    def __init__(self, num_kv_heads: int, device: torch.device, head_dim: int):
+    def __init__(self, num_kv_heads: int, device: torch.device, head_dim: int, kv_dtype: torch.dtype | None = None):
         self.num_kv_heads = num_kv_heads
+        self.kv_dtype = kv_dtype  # the pool's: an e4m3 pool splits the KV differently (decode_num_splits)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.block_m = extend_block_m(head_dim, device.type == "cuda")
         # The CUDA graph runner sets this to the captured size a batch pads to, so an eager decode splits the KV
@@ -84,7 +85,7 @@ class TritonAttnBackend(AttentionBackend):
     def _splits(self, bs: int) -> int:
         if self.graph_bucket is not None:
             bs = self.graph_bucket(bs)
-        return decode_num_splits(bs, self.num_kv_heads, self.num_sms)
+        return decode_num_splits(bs, self.num_kv_heads, self.num_sms, self.kv_dtype)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode.is_decode:
@@ -126,7 +127,7 @@ class TritonAttnBackend(AttentionBackend):
         for sec, values in enumerate((starts, rows, seq_lens)):
             arr[sec * s : sec * s + len(one)] = [values[i] for i in one]
         c = layout.ctl_at
-        arr[c : c + 2] = len(one), decode_num_splits(len(one), self.num_kv_heads, self.num_sms)
+        arr[c : c + 2] = len(one), decode_num_splits(len(one), self.num_kv_heads, self.num_sms, self.kv_dtype)
         m = layout.multis_at
         for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
             arr[m + sec * r : m + sec * r + len(multi)] = [values[i] for i in multi]
@@ -148,9 +149,9 @@ class TritonAttnBackend(AttentionBackend):
             c = layout.ctl_at
             md.single = (dev[0:s], dev[s : 2 * s], dev[2 * s : c], dev[c : c + 2])
             md.single_items = (
-                rows * decode_num_splits(rows, self.num_kv_heads, self.num_sms)
+                rows * decode_num_splits(rows, self.num_kv_heads, self.num_sms, self.kv_dtype)
                 if exact
-                else rows_items_cap(s, self.num_kv_heads, self.num_sms)
+                else rows_items_cap(s, self.num_kv_heads, self.num_sms, self.kv_dtype)
             )
         if r or not exact:
             m, b = layout.multis_at, layout.blocks_at
