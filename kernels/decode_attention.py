@@ -346,12 +346,13 @@ def _decode_stage2(
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int, kv_dtype: torch.dtype | None = None) -> int:
     """Enough (request, KV head, split) programs for about two waves over the SMs, at most MAX_SPLITS. An e4m3
-    pool's launch (five stages: two programs an SM) runs unsplit once its (request, KV head) programs fill the
-    SMs once, so that stage 1 writes the output and no merge runs: 34 against 46 us at batch 32 with two splits
-    (70B shape, context 1,500, H200; benchmarks/gpu/tune_decode_attention.py)."""
+    pool's launch (five stages: two programs fit an SM) takes as many splits as one wave of two programs an SM
+    holds, so unsplit from one full wave on (stage 1 then writes the output and no merge runs): at batch 32,
+    34 against 46 us with two splits; at 16, 23 against 30 us with three (70B shape, context 1,500, H200;
+    benchmarks/gpu/tune_decode_attention.py)."""
     items = max(1, batch_size * num_kv_heads)
-    if kv_dtype == torch.float8_e4m3fn and items >= num_sms:
-        return 1
+    if kv_dtype == torch.float8_e4m3fn:
+        return max(1, min(MAX_SPLITS, 2 * num_sms // items))
     return max(1, min(MAX_SPLITS, math.ceil(2 * num_sms / items)))
 
 

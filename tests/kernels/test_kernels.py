@@ -191,9 +191,9 @@ def test_decode_attention_rows(dtype, splits):
 
 
 def test_decode_split_counts():
-    """Splits fill about two waves of programs; an e4m3 pool's launch runs unsplit (stage 1 writes the output)
-    from one full wave of (request, KV head) programs, and the rows kernel's buffer holds the most items any row
-    count needs under either rule."""
+    """Splits fill about two waves of programs; an e4m3 pool's launch takes as many as one wave of two programs an
+    SM holds (unsplit from one full wave on, where stage 1 writes the output), and the rows kernel's buffer holds
+    the most items any row count needs under either rule."""
     from radixlm.kernels.decode_attention import MAX_SPLITS, decode_num_splits
     from radixlm.kernels.decode_attention_rows import rows_items_cap
 
@@ -201,12 +201,13 @@ def test_decode_split_counts():
     assert decode_num_splits(1, 8, 132) == MAX_SPLITS == decode_num_splits(1, 8, 132, e4m3)
     assert decode_num_splits(32, 8, 132) == 2  # 256 programs: two waves of 132 want two splits
     assert decode_num_splits(32, 8, 132, e4m3) == 1
-    assert decode_num_splits(16, 8, 132, e4m3) == decode_num_splits(16, 8, 132) == 3  # 128 programs < 132 SMs
+    assert decode_num_splits(16, 8, 132) == 3
+    assert decode_num_splits(16, 8, 132, e4m3) == 2  # 256 programs: one wave at two an SM
     assert decode_num_splits(17, 8, 132, e4m3) == 1
     for dtype in (None, e4m3):
         cap = rows_items_cap(64, 8, 132, dtype)
         assert cap == max(n * decode_num_splits(n, 8, 132, dtype) for n in range(1, 65))
-    assert rows_items_cap(64, 8, 132, e4m3) == 64  # every row count from 17 on is unsplit; 16 x 3 = 48 below
+    assert rows_items_cap(64, 8, 132, e4m3) == 64  # at most 2 x 132 / 8 items below 17 rows, n from 17 on
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
