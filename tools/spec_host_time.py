@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--torch-profile", type=int, default=0, help="print torch.profiler's top N ops (ngram run)")
     ap.add_argument("--draft-tokens", type=int, default=None)
+    ap.add_argument("--steps", action="store_true", help="print the ngram run's steps in order: mode, tokens, output")
     ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
     args = ap.parse_args()
     kw = dict(log_level="warning", force_overlap_schedule=not args.no_overlap, **engine_kwargs(args.engine_args))
@@ -60,7 +61,17 @@ def main() -> None:
                     inner[_fn] += time.perf_counter() - t
 
             setattr(runner, fn, timed)
-        step, per_kind = sch.step, defaultdict(lambda: [0, 0.0, 0.0])
+        orig_process = sch.outputs.process
+
+        def timed_process(*a, **k):  # on a GPU: the wait for the step's tokens, then the host's accepting them
+            t = time.perf_counter()
+            try:
+                return orig_process(*a, **k)
+            finally:
+                inner["process"] += time.perf_counter() - t
+
+        sch.outputs.process = timed_process
+        step, per_kind = sch.step, defaultdict(lambda: [0, 0.0, 0.0, 0.0])
 
         def traced():
             inner.clear()
@@ -72,8 +83,13 @@ def main() -> None:
             k[0] += 1
             k[1] += total
             k[2] += total - inner["run_forward"] - inner["sample"]
+            k[3] += inner["process"]
+            if args.steps and name == "ngram" and sch.last_step is not None:
+                r = next(iter(sch.running), None)
+                seq.append((kind, sch.last_step.tokens, len(r.output_ids) if r is not None else -1))
             return out
 
+        seq: list[tuple[str, int, int]] = []
         sch.step = traced
         prof = cProfile.Profile() if args.profile else None
         if prof:
@@ -95,9 +111,12 @@ def main() -> None:
             prof.disable()
         toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
         print(f"{name}: {toks} tokens in {wall:.2f} s ({toks / wall:.1f} tok/s)")
-        for kind, (n, total, host) in sorted(per_kind.items()):
+        for kind, (n, total, host, process) in sorted(per_kind.items()):
             print(f"  {kind:8s} steps {n:4d}  step {1e3 * total / n:7.2f} ms  host (no forward, no sampling) "
-                  f"{1e3 * host / n:6.3f} ms")  # fmt: skip
+                  f"{1e3 * host / n:6.3f} ms  processing a step's tokens (on a GPU: waiting for them too) "
+                  f"{1e3 * process / n:6.3f} ms")  # fmt: skip
+        if seq:
+            print("  steps (mode, tokens computed, output length):", " ".join(f"{m[0]}{t}:{o}" for m, t, o in seq))
         if prof:
             st = pstats.Stats(prof)
             st.sort_stats("tottime").print_stats(25)
