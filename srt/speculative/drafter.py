@@ -14,9 +14,11 @@ What keeps it safe and cheap:
 - A constrained request's draft is walked through its grammar matcher and cut at the first token the grammar
   refuses; the matcher's mask for every verified position is filled on the way, then the matcher is rolled
   back (SchedulerGrammar.draft_masks).
-- A request drafts at most one token more than its last draft kept (all of k after a draft that held in full),
-  and one whose last draft was mostly rejected (under half of it kept) waits 1, 2, 4 ... (at most 16) steps
-  before drafting again, so free-form text with spurious n-gram matches costs little.
+- A request drafts at most one token more than its last draft kept, and after a draft that held in full, one
+  more (on a CPU, where every row of a step costs compute) or twice as many (elsewhere: a small batch's verify
+  step costs about the same for 2 or 9 rows on a GPU, so copied text should reach k in a few steps, not k); one
+  whose last draft was mostly rejected (under half of it kept) waits 1, 2, 4 ... (at most 16) steps before
+  drafting again, so free-form text with spurious n-gram matches costs little.
 - With several requests decoding on a CPU, a request drafts only while most of its drafts hold (`shared_floor`):
   past one row every extra row of a step costs compute there.
 - Nobody drafts at a batch size where steps with drafting measured fewer tokens per second than steps without
@@ -41,6 +43,9 @@ class SpecConfig:
     # With more than one request decoding, a request drafts only while this share of its drafts holds: where
     # every extra row of a step costs compute (a CPU past one row), a half-right draft is a loss.
     shared_floor: float = 0.0
+    # After a draft that held in full the next may be twice as long (else one token longer): where a verify
+    # step's rows cost little more than one row (a GPU at small batches).
+    ramp_doubles: bool = False
 
     @property
     def measured(self) -> bool:
@@ -50,9 +55,9 @@ class SpecConfig:
     def from_args(cls, args, device_type: str) -> SpecConfig | None:
         if args.speculative_algorithm is None:
             return None
-        floor = 0.7 if device_type == "cpu" else 0.0
+        cpu = device_type == "cpu"
         return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max,
-                   args.speculative_max_batch_size, floor)  # fmt: skip
+                   args.speculative_max_batch_size, 0.7 if cpu else 0.0, ramp_doubles=not cpu)  # fmt: skip
 
 
 class Drafter:
@@ -113,7 +118,8 @@ class Drafter:
         r.spec_rate = 0.5 * r.spec_rate + 0.5 * accepted / drafted
         # A draft that held in full earns a longer one; otherwise the next is one longer than what held.
         k = self.cfg.num_draft_tokens
-        r.spec_len = min(k, drafted + 1) if accepted == drafted else max(1, accepted + 1)
+        longer = 2 * drafted if self.cfg.ramp_doubles else drafted + 1
+        r.spec_len = min(k, longer) if accepted == drafted else max(1, accepted + 1)
         if 2 * accepted >= drafted:
             r.spec_misses = 0
         else:  # most of the draft was wrong: its rows cost more than the tokens they gave

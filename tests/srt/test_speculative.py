@@ -322,6 +322,39 @@ def test_draft_length_and_back_off_follow_what_held():
     assert drafter.propose([penalised], 100) == [[]]  # its later positions would need the draft's own counts
 
 
+def test_draft_length_doubles_after_full_holds_where_rows_are_cheap():
+    """Off a CPU a verify step's rows cost little at small batches, so a draft that held in full earns one twice
+    as long (1, 2, 4, 8: copied text reaches k in three steps); on a CPU one token longer. A partial hold gives
+    one more than what held either way."""
+    from radixlm.srt.mem_cache.radix_cache import ChunkCache
+    from radixlm.srt.sampling.sampling_params import SamplingParams
+    from radixlm.srt.scheduler.req import Req
+    from radixlm.srt.speculative.drafter import Drafter, SpecConfig
+
+    for doubles, lengths in ((True, [2, 4, 8, 8]), (False, [2, 3, 4, 5])):
+        drafter = Drafter(SpecConfig(8, 2, 4, 8, ramp_doubles=doubles), ChunkCache(None), 4096)
+        r = Req("a", list(range(5, 40)) * 2, SamplingParams(max_new_tokens=64), seed=0, max_new_tokens=64)
+        drafted, seen = 1, []
+        for _ in lengths:
+            drafter.record(r, drafted, drafted)
+            drafted = r.spec_len
+            seen.append(drafted)
+        assert seen == lengths
+        drafter.record(r, drafted, 2)  # a partial hold: one more than held (after a plain step: under half held)
+        assert r.spec_len == 3
+        r.output_ids = [5, 6, 7]
+        assert drafter.propose([r], 100) == [[]] and drafter.propose([r], 100) == [[8, 9, 10]]
+    gpu = SpecConfig.from_args(_spec_args(), "cuda")
+    cpu = SpecConfig.from_args(_spec_args(), "cpu")
+    assert gpu.ramp_doubles and not cpu.ramp_doubles
+
+
+def _spec_args():
+    from radixlm.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=None, speculative_algorithm="ngram")
+
+
 def test_steps_without_drafts_keep_the_overlap(ref, spec_overlap, monkeypatch):
     """Under overlap, looking for drafts runs a step in order; text that never drafts must not pay that every
     step (on the GPU it cost 11-18% of plain decoding's speed): after a step that found no draft the next 1, 2,
