@@ -12,6 +12,7 @@ from radixlm.kernels.decode_attention import (
     _LOG2E,
     MAX_SPLITS,
     _attend_split,
+    _max_shared,
     _merge_splits,
     _store_split,
     decode_num_splits,
@@ -196,7 +197,7 @@ def decode_attention_rows(
     mid_lse = torch.empty((max_items, h), dtype=torch.float32, device=q.device)
     block_d = next_pow2(d)
     # the split count is the device's, so the tile is chosen as for a few splits (many rows)
-    block_n, num_stages = launch_defaults(k_cache.dtype, 1, block_n, None)
+    block_n, num_stages = launch_defaults(k_cache.dtype, 1, block_n, None, d, _max_shared(q))
     f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32  # as decode_attention's default
     _rows_stage1[(max_items * kvh,)](
         q,

@@ -104,7 +104,7 @@ for staged in json.loads(sys.argv[1]):
     ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
     buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x128x128xf8E4M3FN", ttgir)
     results.append({"mma": bool(re.search(r"\bmma\.sync", ptx)), "kv_buffers": [int(b) for b in buffers],
-                    "byte_loads": len(re.findall(r"ld\.shared\.[bu]8", ptx))})
+                    "byte_loads": len(re.findall(r"ld\.shared\.[bu]8", ptx)), "shared": k.metadata.shared})
 print(json.dumps(results))
 """
 
@@ -114,6 +114,8 @@ def test_e4m3_decode_attention_reads_shared_memory_in_words_on_hopper():
     first): V is read from shared memory in 32-bit words or wider, where the P x V dot's layout change on the e4m3
     tile reads it a byte at a time (the second compile shows the check sees that), and K and V each get two
     shared-memory buffers, so the next tile's copy overlaps this one's dots."""
+    from radixlm.kernels.decode_attention import shared_bytes
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _DECODE_CHILD, json.dumps([True, False])], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
@@ -123,3 +125,6 @@ def test_e4m3_decode_attention_reads_shared_memory_in_words_on_hopper():
     assert staged["byte_loads"] == 0
     assert inside["byte_loads"] >= 64  # 128 x 128 bytes over 128 threads
     assert staged["kv_buffers"] == [2, 2]
+    # the estimate launch_defaults chooses the stages by (a GPU with less shared memory gets three)
+    assert staged["shared"] == shared_bytes(128, 128, 5, fp8=True, v_staged=True)
+    assert inside["shared"] == shared_bytes(128, 128, 5, fp8=True, v_staged=False)

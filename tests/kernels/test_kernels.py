@@ -190,6 +190,21 @@ def test_decode_attention_rows(dtype, splits):
     assert torch.equal(out, per_batch)
 
 
+def test_decode_launch_stages_fit_the_gpus_shared_memory():
+    """An e4m3 pool's default launch takes five stages where a program may have the shared memory they need
+    (Hopper: 227 KB), three where it may not (sm_89: 99 KB), and five where nothing is known (the interpreter)."""
+    from radixlm.kernels.decode_attention import launch_defaults, shared_bytes
+
+    e4m3 = torch.float8_e4m3fn
+    assert shared_bytes(128, 128, 5, True, True) == 107_520 and shared_bytes(128, 128, 3, True, True) == 74_240
+    assert launch_defaults(e4m3, 1, None, None, 128, 227 * 1024) == (128, 5)
+    assert launch_defaults(e4m3, 1, None, None, 128, 99 * 1024) == (128, 3)
+    assert launch_defaults(e4m3, 1, None, None, 128, None) == (128, 5)
+    assert launch_defaults(e4m3, 1, None, None, 256, 227 * 1024) == (128, 5)  # 205 KB
+    assert launch_defaults(e4m3, 1, 64, 4, 128, 99 * 1024) == (64, 4)  # what the caller asks for stays
+    assert launch_defaults(torch.bfloat16, 1, None, None, 128, 227 * 1024) == (64, 2)
+
+
 def test_decode_split_counts():
     """Splits fill about two waves of programs; an e4m3 pool's launch takes as many as one wave of two programs an
     SM holds (unsplit from one full wave on, where stage 1 writes the output), and the rows kernel's buffer holds
