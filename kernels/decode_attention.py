@@ -401,6 +401,11 @@ def _max_shared(t: torch.Tensor) -> int | None:
     return max_shared_bytes(t.device.index or 0) if t.is_cuda and not INTERPRET else None
 
 
+def default_f16_dot(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """Whether the dots run in float16 by default: over an e4m3 pool, unless the query is float32."""
+    return kv_dtype == torch.float8_e4m3fn and q_dtype != torch.float32
+
+
 def default_v_staged(kv_dtype: torch.dtype, f16_dot: bool) -> bool:
     """Whether an e4m3 pool's V tiles are widened before the P x V dot's layout change (compiled code only)."""
     return f16_dot and kv_dtype == torch.float8_e4m3fn and not INTERPRET
@@ -446,7 +451,7 @@ def decode_attention(
     assert 1 <= num_splits <= MAX_SPLITS
     block_n, num_stages = launch_defaults(k_cache.dtype, num_splits, block_n, num_stages, d, _max_shared(q))
     if f16_dot is None:
-        f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+        f16_dot = default_f16_dot(k_cache.dtype, q.dtype)
     if direct is None:
         direct = num_splits == 1
     if v_staged is None:

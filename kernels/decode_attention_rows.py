@@ -16,6 +16,7 @@ from radixlm.kernels.decode_attention import (
     _merge_splits,
     _store_split,
     decode_num_splits,
+    default_f16_dot,
     default_v_staged,
     launch_defaults,
 )
@@ -198,7 +199,7 @@ def decode_attention_rows(
     block_d = next_pow2(d)
     # the split count is the device's, so the tile is chosen as for a few splits (many rows)
     block_n, num_stages = launch_defaults(k_cache.dtype, 1, block_n, None, d, _max_shared(q))
-    f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32  # as decode_attention's default
+    f16_dot = default_f16_dot(k_cache.dtype, q.dtype)
     _rows_stage1[(max_items * kvh,)](
         q,
         q_rows,

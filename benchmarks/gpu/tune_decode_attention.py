@@ -82,15 +82,6 @@ def beside_gemm(fn, bs: int, gen: torch.Generator) -> tuple[float, float]:
     return time_us(fn), pair - time_us(gemm)
 
 
-def over_layers(bs: int, ctx: int, h: int, kvh: int, kv_dtype, splits: int, layers: int, gen) -> float:
-    """The default launch over `layers` pools of its own, one after another as a step's layers run: the KV bytes
-    a step touches (a served step's address range and pages) instead of one pool read over and over."""
-    pools = [setup(bs, ctx, h, kvh, kv_dtype, gen) for _ in range(layers)]
-    out = torch.empty_like(pools[0][0])
-    step = lambda: [decode_attention(*p, D**-0.5, splits, out=out) for p in pools]  # noqa: E731
-    return time_us(step, iters=2) / layers
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
@@ -105,7 +96,6 @@ def main() -> None:
     ap.add_argument("--default-splits-only", action="store_true", help="sweep only the default split count")
     ap.add_argument("--f16-only", action="store_true", help="e4m3: sweep only the float16 dots")
     ap.add_argument("--beside-gemm", action="store_true", help="also time the default between FP8 GEMMs")
-    ap.add_argument("--layers", type=int, default=0, help="also time the default over this many pools in turn")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     fp8 = args.kv_dtype == "e4m3"
@@ -149,13 +139,6 @@ def main() -> None:
             alone, between = beside_gemm(fn, bs, gen)
             d["beside_gemm_us"] = between
             print(f"   default alone {alone:.1f} us, between FP8 GEMMs {between:.1f} us")
-        if args.layers:
-            del q, k, v, r2t, rows, lens
-            torch.cuda.empty_cache()
-            per = over_layers(bs, args.context, args.heads, args.kv_heads, kv_dtype, d["splits"], args.layers, gen)
-            d["over_layers_us"] = per
-            print(f"   default over {args.layers} pools in turn: {per:.1f} us a layer")
-            torch.cuda.empty_cache()
         for u in (r for r in found if r["tag"] == "default, unstaged"):
             print(f"   default settings, V unstaged: {u['us']:.1f} us ({u['tb_per_s']:.2f} TB/s)")
         for r in found[: args.top]:
