@@ -8,13 +8,10 @@ import torch
 
 from radixlm.kernels import INTERPRET, dot_precision, next_pow2
 from radixlm.kernels._triton import tl, triton
-from radixlm.kernels.decode_attention import (
-    _LOG2E,
+from radixlm.kernels.decode_attention import _LOG2E, _attend_split, _merge_splits, _store_split
+from radixlm.kernels.decode_launch import (
     MAX_SPLITS,
-    _attend_split,
     _max_shared,
-    _merge_splits,
-    _store_split,
     decode_num_splits,
     default_f16_dot,
     default_v_staged,

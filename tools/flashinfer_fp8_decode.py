@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import radixlm  # noqa: E402,F401
-from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits  # noqa: E402
+from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from radixlm.kernels.decode_launch import decode_num_splits  # noqa: E402
 
 D = 128
 E4M3 = torch.float8_e4m3fn

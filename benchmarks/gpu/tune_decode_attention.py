@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
+from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref
+from radixlm.kernels.decode_launch import decode_num_splits
 
 D = 128
 

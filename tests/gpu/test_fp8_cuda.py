@@ -186,7 +186,8 @@ def test_e4m3_decode_attention_with_v_widened_first_as_without(batch):
     code) give the output of widening them inside it: the same exact conversion and float16 dots, only the
     shared-memory route differs (MMA sums may round differently in the last bits), and both are near the float32
     reference. 64 query heads on 8 KV heads (the 70B shape), uneven context lengths."""
-    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
+    from radixlm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from radixlm.kernels.decode_launch import decode_num_splits
 
     g = torch.Generator().manual_seed(batch)
     h, kvh, d, pool = 64, 8, 128, 40_000

@@ -114,7 +114,7 @@ def test_e4m3_decode_attention_reads_shared_memory_in_words_on_hopper():
     first): V is read from shared memory in 32-bit words or wider, where the P x V dot's layout change on the e4m3
     tile reads it a byte at a time (the second compile shows the check sees that), and K and V each get two
     shared-memory buffers, so the next tile's copy overlaps this one's dots."""
-    from radixlm.kernels.decode_attention import shared_bytes
+    from radixlm.kernels.decode_launch import shared_bytes
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _DECODE_CHILD, json.dumps([True, False])], env=env,

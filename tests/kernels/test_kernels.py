@@ -193,7 +193,7 @@ def test_decode_attention_rows(dtype, splits):
 def test_decode_launch_stages_fit_the_gpus_shared_memory():
     """An e4m3 pool's default launch takes five stages where a program may have the shared memory they need
     (Hopper: 227 KB), three where it may not (sm_89: 99 KB), and five where nothing is known (the interpreter)."""
-    from radixlm.kernels.decode_attention import launch_defaults, shared_bytes
+    from radixlm.kernels.decode_launch import launch_defaults, shared_bytes
 
     e4m3 = torch.float8_e4m3fn
     assert shared_bytes(128, 128, 5, True, True) == 107_520 and shared_bytes(128, 128, 3, True, True) == 74_240
@@ -209,8 +209,8 @@ def test_decode_split_counts():
     """Splits fill about two waves of programs; an e4m3 pool's launch takes as many as one wave of two programs an
     SM holds (unsplit from one full wave on, where stage 1 writes the output), and the rows kernel's buffer holds
     the most items any row count needs under either rule."""
-    from radixlm.kernels.decode_attention import MAX_SPLITS, decode_num_splits
     from radixlm.kernels.decode_attention_rows import rows_items_cap
+    from radixlm.kernels.decode_launch import MAX_SPLITS, decode_num_splits
 
     e4m3 = torch.float8_e4m3fn
     assert decode_num_splits(1, 8, 132) == MAX_SPLITS == decode_num_splits(1, 8, 132, e4m3)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixlm.kernels.decode_attention import decode_attention, decode_num_splits
+from radixlm.kernels.decode_attention import decode_attention
 from radixlm.kernels.decode_attention_rows import decode_attention_rows, rows_items_cap
+from radixlm.kernels.decode_launch import decode_num_splits
 from radixlm.kernels.extend_attention import extend_attention, extend_block_m, extend_blocks
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
