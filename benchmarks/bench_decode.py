@@ -233,6 +233,9 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one per GPU)")
+    ap.add_argument(
+        "--disable-custom-all-reduce", action="store_true", help="tp > 1: NCCL all-reduces, no fused all-reduce + norm"
+    )
     ap.add_argument("--extend-cuda-graph", default="auto", choices=["auto", "whole", "piecewise", "off"])
     ap.add_argument("--eager", action="store_true", help="also time the eager forward of the same batch")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
@@ -269,6 +272,7 @@ def main():
         max_total_tokens=tokens,
         max_running_requests=max([max_bs, *(d + 1 for d, _ in mixed)]),
         tp_size=args.tp_size,
+        disable_custom_all_reduce=args.disable_custom_all_reduce,
     )
     r = engine.runner
     tuner = r.kernel_ops.tuner
@@ -285,6 +289,7 @@ def main():
             "kernels": r.kernel_ops.name,
             "cuda_graph": graphs,
             "tp_size": args.tp_size,
+            "custom_all_reduce": args.tp_size > 1 and not args.disable_custom_all_reduce,
             "step_ms": t["step"] * 1e3,
             "tokens_per_s": bs / t["step"],
         }

@@ -64,6 +64,13 @@ def _rmsnorm_kernel(
         # Round the sum to the activation dtype first: the residual stream is kept in that dtype.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
         tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+    norm_row_store(x, w_ptr, out_ptr, q_ptr, s_ptr, row, stride_out, cols, mask, n_cols, eps, QUANT)
+
+
+@triton.jit
+def norm_row_store(x, w_ptr, out_ptr, q_ptr, s_ptr, row, stride_out, cols, mask, n_cols, eps, QUANT: tl.constexpr):
+    """RMSNorm of one row x (the activation dtype) stored at `out_ptr`'s row, or in e4m3 at `q_ptr`'s row with
+    its scale at `s_ptr + row`: the epilogue every norm kernel shares, so their values stay bit-identical."""
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)

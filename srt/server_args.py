@@ -48,6 +48,10 @@ class ServerArgs:
     # Tensor parallelism
     tp_size: int = _opt(1, "tensor-parallel ranks: one process per GPU (or N CPU processes with gloo)")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (default: a free local port)")
+    disable_custom_all_reduce: bool = _opt(
+        False,
+        "NCCL for every all-reduce on one host's GPUs: no fused all-reduce + norm kernel over symmetric memory",
+    )
     dist_timeout: float = _opt(60.0, "seconds the ranks may take to meet before start-up fails with a message")
     tp_check_batches: bool = _opt(
         False, "debug: every rank hashes the batch it is about to run; a difference stops the server with an error"

@@ -5,6 +5,9 @@
 #   decode    bench_decode on the 8B shape, bf16, at each tp (batch 1/32/128, context 512), NCCL share of a
 #             step; the plain PyTorch graph step on one GPU beside it
 #   decode8   the same in fp8 (fp8 LM head)
+#   nccl      decode and decode8 at each tp > 1 with --disable-custom-all-reduce (NCCL all-reduces and separate
+#             norms: the fused all-reduce + norm's A/B), files *_nccl_tp*.json
+#   arbench   the fused all-reduce + norm kernel against NCCL + the norm kernel, per call, at each tp > 1
 #   profile70 bench_decode on the 70B shape in fp8 at each tp > 1, batch 64 at context 1,500 (the serve70 runs'
 #             steady state): step time and a kernel-time table (attention, GEMMs, NCCL) per rank-0 step
 #   serve70   radixlm serve on the 70B shape in fp8 at each tp > 1: 64 users, 512 in / 256 out then
@@ -36,20 +39,28 @@ nvidia-smi topo -m 2>/dev/null | head -12
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
 echo "tp sizes: $TPS"
 
-decode() {  # decode QUANT NAME TP (HEAD=--fp8-lm-head)
+decode() {  # decode QUANT NAME TP (HEAD=--fp8-lm-head, DEXTRA: more bench_decode flags)
   local q=$1 name=$2 tp=$3
-  echo "== decode 8b $q ${HEAD:-} tp $tp ($(left) s left)"
+  echo "== decode 8b $q ${HEAD:-} ${DEXTRA:-} tp $tp ($(left) s left)"
   timeout "$(cap 240)" python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-8b \
     --load-format dummy --tokenizer-path "$TOK" --attention-backend triton --quantization "$q" ${HEAD:-} \
-    --batch-sizes 1 32 128 --context 512 --extend-cuda-graph off --tp-size "$tp" \
+    --batch-sizes 1 32 128 --context 512 --extend-cuda-graph off --tp-size "$tp" ${DEXTRA:-} \
     --out "$DEST/${name}_tp$tp.json" 2>&1 | grep -v -i warn | grep -v "skinny matmul:" | tail -6
 }
 
 source benchmarks/gpu/serve_lib.sh  # serve CONFIG QUANT TP NAME WORKLOADS..., report JSON
 
 if stage test; then
-  timeout "$(cap 420)" python -m pytest -q -m gpu tests/gpu/test_tp_cuda.py 2>&1 | grep -v -i warn | tail -25 |
+  timeout "$(cap 420)" python -m pytest -q -m gpu tests/gpu/test_tp_cuda.py tests/gpu/test_allreduce_norm_cuda.py 2>&1 | grep -v -i warn | tail -25 |
     tee "$DEST/pytest_tp.txt"
+fi
+if stage arbench; then
+  for tp in $TPS; do
+    [ "$tp" -gt 1 ] || continue
+    echo "== all-reduce + norm per call, tp $tp ($(left) s left)"
+    timeout "$(cap 180)" python benchmarks/gpu/bench_allreduce_norm.py --world "$tp" --out "$DEST/arnorm_tp$tp.json" 2>&1 |
+      grep -v -i warn | tail -16
+  done
 fi
 if stage decode; then
   timeout "$(cap 60)" python .gpu-bundle/plain_graph_decode.py 1024 512 1,32,128 2>&1 | tail -4 | tee "$DEST/plain_graph.txt"
@@ -72,6 +83,13 @@ if stage vllm70; then
 fi
 if stage decode8; then
   for tp in $TPS; do HEAD=--fp8-lm-head decode fp8 decode8b_fp8_head "$tp"; done
+fi
+if stage nccl; then
+  for tp in $TPS; do
+    [ "$tp" -gt 1 ] || continue
+    DEXTRA=--disable-custom-all-reduce decode none decode8b_bf16_nccl "$tp"
+    HEAD=--fp8-lm-head DEXTRA=--disable-custom-all-reduce decode fp8 decode8b_fp8_head_nccl "$tp"
+  done
 fi
 if stage profile70; then
   for tp in $TPS; do

@@ -23,6 +23,8 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: object | None = None  # a torch.distributed ProcessGroup when size > 1
+    # GPUs of one host: the all-reduce fused with the norm after it (fused_all_reduce.AllReduceNorm), or None
+    fused: object | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (x itself when size is 1)."""
@@ -91,6 +93,18 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    """A row-parallel projection's output before its all-reduce: this rank's share of every row. The norm it
+    feeds sums it across ranks in its own kernel where one exists (RMSNorm), else `reduced()` first."""
+
+    x: torch.Tensor
+    tp: TensorParallel
+
+    def reduced(self) -> torch.Tensor:
+        return self.tp.all_reduce(self.x)
 
 
 # How long a collective of the model's group may wait: rank 0 may tune kernels for minutes at start-up while the

@@ -14,6 +14,7 @@ Under overlap scheduling a step's input ids may be the previous step's sampled i
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -251,6 +252,10 @@ def join(size: int, rank: int, init: str, args) -> tuple[TensorParallel, object]
     if backend_for(args.device) == "nccl":
         torch.cuda.set_device(rank_device(args, rank))
     tp = init_tensor_parallel(size, rank, init, backend_for(args.device), args.dist_timeout)
+    if backend_for(args.device) == "nccl" and args.nnodes == 1 and not args.disable_custom_all_reduce:
+        from radixlm.srt.distributed.fused_all_reduce import setup
+
+        tp = dataclasses.replace(tp, fused=setup(tp, torch.device(rank_device(args, rank))))
     control = dist.new_group(backend="gloo", timeout=_IDLE)  # step records: CPU objects, waited on while idle
     return tp, control
 

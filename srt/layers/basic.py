@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.srt.distributed.parallel import PartialSum
 from radixlm.srt.layers.ops import TORCH_OPS
 
 
@@ -85,9 +86,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = TORCH_OPS
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | PartialSum, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and also returns the sum (the next residual). The fused kernels
-        may overwrite x and residual in place: callers pass tensors they no longer need."""
+        may overwrite x and residual in place: callers pass tensors they no longer need. A PartialSum (a
+        row-parallel projection's share) is summed across ranks first, in the norm's kernel where one exists."""
+        if isinstance(x, PartialSum):
+            if residual is not None:
+                return self._reduce_norm(x, residual, quant=False)
+            x = x.reduced()
         if residual is None:
             return self.ops.rmsnorm(x, self.weight, self.eps)
         return self.ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)
@@ -96,8 +102,30 @@ class RMSNorm(nn.Module):
         """The norm feeding `proj`: (its input, the residual stream). For an FP8 projection (e4m3 rows with
         per-row scales) the op set's kernel may hand over rows already quantized per token (Fp8Rows), which
         the FP8 paths take as they are. Without `residual`, x itself is the residual stream."""
-        if self.ops.rmsnorm_fp8 is not None and getattr(proj.quant, "scaled", False) and x.dim() == 2:
+        quant = self.ops.rmsnorm_fp8 is not None and getattr(proj.quant, "scaled", False)
+        if isinstance(x, PartialSum):
+            if residual is not None:
+                return self._reduce_norm(x, residual, quant)
+            x = x.reduced()
+        if quant and x.dim() == 2:
             return self.ops.rmsnorm_fp8(x, residual, self.weight, self.eps)
         if residual is None:
             return self.forward(x), x
+        return self.forward(x, residual)
+
+    def _reduce_norm(self, part: PartialSum, residual: torch.Tensor, quant: bool):
+        """The norm of the sum over ranks of `part`: one kernel (all-reduce, residual add, norm, and the e4m3
+        rows of an FP8 projection with `quant`) where the group has it and the rows fit, else the all-reduce
+        and then this norm's own path."""
+        fused = part.tp.fused
+        if fused is not None and fused.takes(part.x):
+            if quant:
+                from radixlm.srt.layers.quantization.fp8 import Fp8Rows
+
+                q, scale, residual = fused(part.x, residual, self.weight, self.eps, quant=True)
+                return Fp8Rows(q, scale, part.x.dtype), residual
+            return fused(part.x, residual, self.weight, self.eps)
+        x = part.reduced()
+        if quant and x.dim() == 2:
+            return self.ops.rmsnorm_fp8(x, residual, self.weight, self.eps)
         return self.forward(x, residual)

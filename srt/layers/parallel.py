@@ -5,21 +5,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.srt.distributed.parallel import SINGLE, TensorParallel
+from radixlm.srt.distributed.parallel import SINGLE, PartialSum, TensorParallel
 from radixlm.srt.layers.basic import Embedding, Linear
 
 
 class RowParallelLinear(Linear):
     """A projection whose input features are split across ranks (o and down): each rank's partial product is
-    summed by one all-reduce, and the bias is added once, after it."""
+    summed by one all-reduce, and the bias is added once, after it. With `feeds_norm` (its output goes into an
+    RMSNorm and nowhere else) and no bias, it returns the PartialSum and the norm takes the all-reduce into its
+    kernel (srt/distributed/fused_all_reduce.py)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp: TensorParallel = SINGLE,
+        feeds_norm: bool = False,
+    ):
         super().__init__(in_features, out_features, bias)
         self.tp = tp
+        self.feeds_norm = feeds_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
         if self.tp.size == 1:
             return super().forward(x)
+        if self.feeds_norm and self.bias is None:
+            return PartialSum(self.product(x), self.tp)
         y = self.tp.all_reduce(self.product(x))
         return y if self.bias is None else y + self.bias
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from radixlm.kernels.graph_inputs import pull_inputs, pull_inputs_ref
+from radixlm.srt.distributed.parallel import PartialSum
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -129,15 +130,18 @@ class Stages:
             if stage == "embed":
                 st["x"], st["residual"] = self.inner.embed_tokens(fb.input_ids), None
             elif stage == "pre":
-                st["q"], st["residual"] = self.layers[i].pre_attention(fb.positions, st["x"], st["residual"], fb)
+                st["q"], st["residual"] = self.layers[i].pre_attention(fb.positions, st.pop("x"), st["residual"], fb)
             elif stage == "attn":
                 st["a"] = self.layers[i].self_attn.attn(st["q"], fb)
             elif stage == "post":
                 st["x"], st["residual"] = self.layers[i].post_attention(st["a"], st["residual"])
             elif stage == "norm":
-                st["hidden"], _ = self.inner.norm(st["x"], st["residual"])
+                st["hidden"], _ = self.inner.norm(st.pop("x"), st["residual"])
             else:
                 st["logits"] = self.model.logits(st["hidden"], fb)
+        x = st.get("x")
+        if isinstance(x, PartialSum):  # a row-parallel share crossing into another segment: summed here
+            st["x"] = x.reduced()
 
 
 @dataclass(eq=False)

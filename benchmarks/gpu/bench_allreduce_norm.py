@@ -1,0 +1,120 @@
+"""Time the all-reduce + residual add + RMSNorm of a decode step, per call: NCCL's all-reduce followed by our norm
+kernel (what radixlm ran before, and runs with --disable-custom-all-reduce) against the fused kernel over
+symmetric memory (srt/distributed/fused_all_reduce.py), each as 64 calls in one CUDA graph, at decode row
+counts and the Llama hidden sizes (8B: 4096, 70B: 8192), bf16 rows and e4m3 rows (an FP8 projection next).
+
+Usage (a host with at least WORLD GPUs): python benchmarks/gpu/bench_allreduce_norm.py --world 2 --out F.json
+Prints a table (us per call, rank 0's clock) and writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+CALLS = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time_graph(fn, reps: int = 20) -> float:
+    """Median microseconds per call of `fn` (CALLS calls captured in one graph)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def _worker(rank: int, world: int, port: int, args, out_q) -> None:
+    import torch.distributed as dist
+
+    from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm_fp8
+    from radixlm.srt.distributed.fused_all_reduce import setup
+    from radixlm.srt.distributed.parallel import init_tensor_parallel
+
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    tp = init_tensor_parallel(world, rank, f"tcp://127.0.0.1:{port}", "nccl", 60)
+    fused = setup(tp, dev)
+    rows_out = []
+    for n in args.hidden:
+        w = torch.ones(n, dtype=torch.bfloat16, device=dev)
+        for rows in args.rows:
+            x = torch.randn(rows, n, device=dev).to(torch.bfloat16)
+            res = torch.randn(rows, n, device=dev).to(torch.bfloat16)
+            row = {"hidden": n, "rows": rows, "world": world}
+            for quant in (False, True):
+                tag = "fp8" if quant else "bf16"
+
+                def nccl(quant=quant):
+                    dist.all_reduce(x, group=tp.group)
+                    return rmsnorm_fp8(x, res, w, 1e-5) if quant else fused_add_rmsnorm_(x, res, w, 1e-5)
+
+                row[f"nccl_norm_{tag}_us"] = _time_graph(nccl)
+                if fused is not None and fused.takes(x):
+                    row[f"fused_{tag}_us"] = _time_graph(lambda quant=quant: fused(x, res, w, 1e-5, quant=quant))
+            rows_out.append(row)
+    if rank == 0:
+        out_q.put(rows_out)
+    dist.barrier(group=tp.group)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    ctx = torch.multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>10} {'fused':>8} | {'NCCL+norm fp8':>13} {'fused fp8':>9}"
+    print(head + "  (us/call)")
+    for r in rows:
+        f = lambda k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+        print(
+            f"{r['hidden']:>6} {r['rows']:>5} | {f('nccl_norm_bf16_us'):>10} {f('fused_bf16_us'):>8} | "
+            f"{f('nccl_norm_fp8_us'):>13} {f('fused_fp8_us'):>9}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "calls_per_graph": CALLS}
+    args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

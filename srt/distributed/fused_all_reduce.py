@@ -1,0 +1,124 @@
+"""The all-reduce of a decode step's row-parallel outputs fused with the norm after it, on the GPUs of one host
+(kernels/allreduce_norm.py): a rank's buffer lives in symmetric memory (torch.distributed._symmetric_memory),
+mapped into every peer's address space, and one kernel pushes the rank's rows to its peers, waits for theirs,
+sums, adds the residual and normalizes (quantizing for an FP8 projection). NCCL's all-reduce followed by a norm
+kernel is two launches and world_size - 1 ring rounds of latency at the sizes where latency is the whole cost
+(a decode step's 8-16 KiB rows); larger tensors (prefill, or past `per_peer_bytes`) stay on NCCL.
+
+Every rank makes the same decision (set up and probed, or NCCL for everything): a rank that used the kernel
+while a peer did not would wait for that peer's flags forever."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixlm.kernels.allreduce_norm import GRID_MAX, allreduce_rmsnorm, buffer_bytes
+
+logger = logging.getLogger(__name__)
+
+# Rows pushed to each peer per call (bytes): a rank pushes world_size - 1 copies, where NCCL's ring moves about
+# two, so the push's advantage shrinks with the group and the tensor. 4 MiB at tp 2 takes a 70B decode batch of
+# 256 rows (16 KiB each).
+PER_PEER_BYTES = {2: 4 << 20, 4: 2 << 20, 8: 1 << 20}
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class AllReduceNorm:
+    """One rank's end of the fused all-reduce + norm (a collective: every rank builds it, in the same order)."""
+
+    def __init__(self, tp, device: torch.device, per_peer_bytes: int, grid_max: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.rank, self.world = tp.rank, tp.size
+        self.per_peer_bytes, self.grid_max = per_peer_bytes, grid_max
+        self.name = tp.group.group_name
+        self.buf = symm_mem.empty(buffer_bytes(tp.size, per_peer_bytes, grid_max), dtype=torch.uint8, device=device)
+        self.buf.zero_()  # flags start below every epoch
+        self.state = torch.tensor([1, 0], dtype=torch.int64, device=device)  # [epoch, programs done]
+        self.peers: torch.Tensor | None = None
+
+    def rendezvous(self) -> None:
+        """Map every peer's buffer (a collective of the group)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        # Needed by older torch only; newer ones mark it deprecated.
+        if enable is not None and not hasattr(enable, "__deprecated__"):
+            enable(self.name)
+        handle = symm_mem.rendezvous(self.buf, self.name)
+        self.peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.buf.device)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return (
+            x.dim() == 2
+            and x.dtype in _DTYPES
+            and x.stride(1) == 1
+            and 0 < x.shape[0] * x.shape[1] * x.element_size() <= self.per_peer_bytes
+        )
+
+    def __call__(self, x, residual, weight, eps, quant: bool = False):
+        """(rmsnorm(sum over ranks of x + residual), residual) with x overwritten, or (e4m3 rows, scales,
+        residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm)."""
+        return allreduce_rmsnorm(
+            x, residual, weight, eps, self.peers, self.state, self.rank, self.world, self.per_peer_bytes,
+            self.grid_max, quant,
+        )  # fmt: skip
+
+
+def setup(tp, device: torch.device) -> AllReduceNorm | None:
+    """An AllReduceNorm for this rank's group, or None (NCCL and the norm kernels for everything) when the
+    group's size has no entry, the GPUs cannot map each other's memory, or a probe gives a wrong sum; the ranks
+    agree either way."""
+    import torch.distributed as dist
+
+    per_peer = PER_PEER_BYTES.get(tp.size)
+    if per_peer is None:
+        return None
+
+    def everyone(ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.group)
+        return bool(flag.item())
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid_max = min(GRID_MAX, tp.all_reduce_min(sms))
+    fused, why = None, ""
+    try:
+        fused = AllReduceNorm(tp, device, per_peer, grid_max)
+    except Exception as e:  # noqa: BLE001 - any failure means NCCL, on every rank
+        why = f"{type(e).__name__}: {e}"
+    if not everyone(fused is not None):
+        logger.info("tensor parallel: NCCL for every all-reduce (symmetric memory unavailable%s)", why and f": {why}")
+        return None
+    ok = True
+    try:
+        fused.rendezvous()
+        dist.barrier(group=tp.group)  # every peer's flags are zero before anyone pushes
+        ok, why = _probe(fused, tp, device)
+    except Exception as e:  # noqa: BLE001
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if not everyone(ok):
+        logger.warning("tensor parallel: NCCL for every all-reduce (the fused all-reduce failed: %s)", why)
+        return None
+    logger.info(
+        "tensor parallel: decode all-reduces fused with the norm after them (symmetric memory, up to %d KiB a peer)",
+        per_peer >> 10,
+    )
+    return fused
+
+
+def _probe(fused: AllReduceNorm, tp, device) -> tuple[bool, str]:
+    """Two calls (both parities) whose sums are known: rank r contributes r + 1 to every element, so the
+    residual stream becomes residual + world * (world + 1) / 2 on every rank."""
+    n = 1024
+    w = torch.ones(n, dtype=torch.bfloat16, device=device)
+    for _ in range(2):
+        x = torch.full((4, n), float(tp.rank + 1), dtype=torch.bfloat16, device=device)
+        residual = torch.ones(4, n, dtype=torch.bfloat16, device=device)
+        _, residual = fused(x, residual, w, 1e-6)
+        want = 1 + tp.size * (tp.size + 1) / 2
+        if not bool((residual == want).all().item()):
+            return False, f"the probe's sum was {residual.flatten()[0].item()}, expected {want}"
+    return True, ""
