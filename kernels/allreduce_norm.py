@@ -92,7 +92,8 @@ def _allreduce_rmsnorm_kernel(
     epoch = tl.load(state_ptr, volatile=True)
     parity = epoch % 2
     own_flags = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int64))
-    own_data = tl.load(peers_ptr + rank).to(tl.pointer_type(dtype)) + data_off
+    # the buffers' addresses come from memory: say they are 16-byte aligned so that rows move in vectors
+    own_data = tl.multiple_of(tl.load(peers_ptr + rank).to(tl.pointer_type(dtype)), 16) + data_off
 
     # 1. every row of this program into every peer's slot for this rank
     for row in range(pid, n_rows, grid):
@@ -100,7 +101,7 @@ def _allreduce_rmsnorm_kernel(
         slot = ((parity * WORLD + rank) * rows_cap + row) * n_cols
         for r in tl.static_range(WORLD):
             if r != rank:
-                peer = tl.load(peers_ptr + r).to(tl.pointer_type(dtype)) + data_off
+                peer = tl.multiple_of(tl.load(peers_ptr + r).to(tl.pointer_type(dtype)), 16) + data_off
                 tl.store(peer + slot + cols, x, mask=mask)
     tl.debug_barrier()  # every thread's stores issued before the flag that releases them
     for r in tl.static_range(WORLD):

@@ -116,3 +116,49 @@ def test_rows_past_the_buffer_are_refused():
     x = torch.zeros(9, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="do not fit"):
         allreduce_rmsnorm(x, x.clone(), x[0], 1e-6, torch.zeros(2, dtype=torch.int64), torch.zeros(2), 0, 2, 8 * 64 * 2)
+
+
+_COMPILE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from radixlm.kernels.allreduce_norm import _allreduce_rmsnorm_kernel as fn
+
+out = []
+for quant in (False, True):
+    sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+           "s_ptr": "*fp32", "peers_ptr": "*i64", "state_ptr": "*i64", "n_rows": "i32", "stride_x": "i32",
+           "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32", "rank": "i32",
+           "rows_cap": "i32", "data_off": "i32"}
+    const = dict(WORLD=2, QUANT=quant, USE_PDL=True, BLOCK=4096)
+    sig.update({k: "constexpr" for k in const})
+    # what a launch with 4096-wide rows tells the compiler: tensors and these integers divide by 16
+    hints = [a for a, t in sig.items() if t.startswith("*")]
+    hints += ["stride_x", "stride_res", "stride_out", "n_cols", "rows_cap", "data_off"]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    out.append({"release_sys": bool(re.search(r"atom\.global\.sys\.release\.exch", ptx)),
+                "acquire_sys": bool(re.search(r"ld\.global\.sys\.acquire|atom\.global\.sys\.acquire", ptx)),
+                "vector_peer_loads": "ld.global.cg.v4" in ptx,
+                "scalar_b16": bool(re.search(r"(ld|st)\.global[.\w]*\.b16\b", ptx))})
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_hopper_with_system_scope_flags_and_vector_rows():
+    """The compiler (not the interpreter) builds the kernel for sm_90: the flags are a release store and an
+    acquire load at system scope (peers over NVLink), and rows move in 16-byte vectors (the buffers' addresses
+    come from memory, so without the alignment hint every element moved alone)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert r == {"release_sys": True, "acquire_sys": True, "vector_peer_loads": True, "scalar_b16": False}, r
