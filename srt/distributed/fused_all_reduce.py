@@ -18,11 +18,19 @@ from radixlm.kernels.allreduce_norm import GRID_MAX, allreduce_rmsnorm, buffer_b
 
 logger = logging.getLogger(__name__)
 
-# Rows pushed to each peer per call (bytes): a rank pushes world_size - 1 copies, where NCCL's ring moves about
-# two, so the push's advantage shrinks with the group and the tensor. 4 MiB at tp 2 takes a 70B decode batch of
-# 256 rows (16 KiB each).
-PER_PEER_BYTES = {2: 4 << 20, 4: 2 << 20, 8: 1 << 20}
+# Rows pushed to each peer per call (bytes), up to where the fused kernel measured faster than NCCL's all-reduce
+# and the norm kernel (benchmarks/gpu/bench_allreduce_norm.py, 4 x H200 NVLink): a rank pushes world_size - 1
+# copies, where NCCL's ring moves about two, so the push's lead shrinks with the group and the tensor. At tp 2 it
+# led at every decode batch (4 MiB: a 70B batch of 256 rows); at tp 4 up to 32 rows of 4096 (256 KiB) and lost
+# from 64. No entry (NCCL for everything) where no measurement was made: 8 GPUs.
+PER_PEER_BYTES = {2: 4 << 20, 4: 256 << 10}
 _DTYPES = (torch.bfloat16, torch.float16)
+
+# Group names this process has mapped symmetric memory for. torch keeps what a rendezvous learned about a group
+# by its name, and a later group (another in-process Engine after the first shut down) gets the same name from
+# torch's counter: its rendezvous then waited minutes on the old group's store (seen on 4 x H200) before the
+# ranks fell back to NCCL. A reused name goes straight to NCCL instead.
+_MAPPED: set[str] = set()
 
 
 class AllReduceNorm:
@@ -85,14 +93,18 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid_max = min(GRID_MAX, tp.all_reduce_min(sms))
     fused, why = None, ""
-    try:
-        fused = AllReduceNorm(tp, device, per_peer, grid_max)
-    except Exception as e:  # noqa: BLE001 - any failure means NCCL, on every rank
-        why = f"{type(e).__name__}: {e}"
+    if tp.group.group_name in _MAPPED:
+        why = f"group name {tp.group.group_name!r} was mapped earlier in this process"
+    else:
+        try:
+            fused = AllReduceNorm(tp, device, per_peer, grid_max)
+        except Exception as e:  # noqa: BLE001 - any failure means NCCL, on every rank
+            why = f"{type(e).__name__}: {e}"
     if not everyone(fused is not None):
         logger.info("tensor parallel: NCCL for every all-reduce (symmetric memory unavailable%s)", why and f": {why}")
         return None
     ok = True
+    _MAPPED.add(tp.group.group_name)
     try:
         fused.rendezvous()
         dist.barrier(group=tp.group)  # every peer's flags are zero before anyone pushes

@@ -63,7 +63,7 @@ def _check(rank: int, world: int, port: int) -> None:
     # eager, every decode-bucket-like row count, both hidden sizes of the Llama shapes, bf16 and FP8 rows
     seed = 0
     for n in (4096, 8192):
-        for rows in (1, 2, 7, 64, 96, 160, 256):
+        for rows in (1, 2, 7, 16, 32, 64, 96, 160, 256):
             if not fused.takes(torch.empty(rows, n, dtype=torch.bfloat16)):
                 continue
             for quant in (False, True):
