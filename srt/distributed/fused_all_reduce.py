@@ -34,29 +34,16 @@ _MAPPED: set[str] = set()
 
 
 class AllReduceNorm:
-    """One rank's end of the fused all-reduce + norm (a collective: every rank builds it, in the same order)."""
+    """One rank's end of the fused all-reduce + norm. `peers`: every rank's buffer (kernels/allreduce_norm.py's
+    layout, zeroed before any rank's first call) as addressed from this process; the buffers themselves are the
+    caller's (symmetric memory on GPUs: `setup`), kept alive here through `keep`. Every rank of the group makes
+    the same calls in the same order."""
 
-    def __init__(self, tp, device: torch.device, per_peer_bytes: int, grid_max: int):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.rank, self.world = tp.rank, tp.size
+    def __init__(self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int, keep=()):
+        self.rank, self.world, self.peers = rank, world, peers
         self.per_peer_bytes, self.grid_max = per_peer_bytes, grid_max
-        self.name = tp.group.group_name
-        self.buf = symm_mem.empty(buffer_bytes(tp.size, per_peer_bytes, grid_max), dtype=torch.uint8, device=device)
-        self.buf.zero_()  # flags start below every epoch
-        self.state = torch.tensor([1, 0], dtype=torch.int64, device=device)  # [epoch, programs done]
-        self.peers: torch.Tensor | None = None
-
-    def rendezvous(self) -> None:
-        """Map every peer's buffer (a collective of the group)."""
-        import torch.distributed._symmetric_memory as symm_mem
-
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        # Needed by older torch only; newer ones mark it deprecated.
-        if enable is not None and not hasattr(enable, "__deprecated__"):
-            enable(self.name)
-        handle = symm_mem.rendezvous(self.buf, self.name)
-        self.peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.buf.device)
+        self.state = torch.tensor([1, 0], dtype=torch.int64, device=peers.device)  # [epoch, programs done]
+        self._keep = keep
 
     def takes(self, x: torch.Tensor) -> bool:
         return (
@@ -92,21 +79,30 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid_max = min(GRID_MAX, tp.all_reduce_min(sms))
-    fused, why = None, ""
+    buf, why = None, ""
     if tp.group.group_name in _MAPPED:
         why = f"group name {tp.group.group_name!r} was mapped earlier in this process"
     else:
         try:
-            fused = AllReduceNorm(tp, device, per_peer, grid_max)
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buf = symm_mem.empty(buffer_bytes(tp.size, per_peer, grid_max), dtype=torch.uint8, device=device)
+            buf.zero_()  # flags start below every epoch
         except Exception as e:  # noqa: BLE001 - any failure means NCCL, on every rank
             why = f"{type(e).__name__}: {e}"
-    if not everyone(fused is not None):
+    if not everyone(buf is not None):
         logger.info("tensor parallel: NCCL for every all-reduce (symmetric memory unavailable%s)", why and f": {why}")
         return None
     ok = True
     _MAPPED.add(tp.group.group_name)
     try:
-        fused.rendezvous()
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        # Needed by older torch only; newer ones mark it deprecated.
+        if enable is not None and not hasattr(enable, "__deprecated__"):
+            enable(tp.group.group_name)
+        handle = symm_mem.rendezvous(buf, tp.group.group_name)  # maps every peer's buffer (a collective)
+        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        fused = AllReduceNorm(tp.rank, tp.size, peers, per_peer, grid_max, keep=(buf, handle))
         dist.barrier(group=tp.group)  # every peer's flags are zero before anyone pushes
         ok, why = _probe(fused, tp, device)
     except Exception as e:  # noqa: BLE001

@@ -7,6 +7,8 @@ Two GPUs run the real thing in tests/gpu/test_tp_cuda.py."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -162,3 +164,109 @@ def test_compiles_for_hopper_with_system_scope_flags_and_vector_rows():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert r == {"release_sys": True, "acquire_sys": True, "vector_peer_loads": True, "scalar_b16": False}, r
+
+
+# --- two real processes over shared memory ------------------------------------------------------------------
+# The same kernel in two processes under the interpreter, each rank's buffer a POSIX shared-memory segment that
+# both map (what symmetric memory is on GPUs: every rank's buffer addressed from every process). The ranks run
+# concurrently, each at its own pace (the slower one sleeps at random before some calls), so a fast rank's
+# pushes and flags for its next call land while its peer still reads the current one: the parity and the
+# "flag at least this epoch" rules are what keep the answers right. Interpreter atomics are the host's.
+_SHM_WORLD, _SHM_PER_PEER, _SHM_GRID = 2, 16 * 64 * 2, 2
+_SHM_HOGS = 6
+_SHM_CALLS = [(1, False), (3, True), (5, False), (2, False), (4, True), (1, True), (5, False), (3, False)]
+
+
+def _shm_inputs(call: int, rows: int, n: int):
+    """Every rank's partial rows, the shared residual and weight of one call (any process can rebuild them)."""
+    g = torch.Generator().manual_seed(1000 + call)
+    parts = [torch.randn(rows, n, generator=g).to(torch.bfloat16) for _ in range(_SHM_WORLD)]
+    residual = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+    return parts, residual, w
+
+
+def _shm_rank(rank: int, names: list[str], n: int, out) -> None:
+    import random
+    import time
+    from multiprocessing import shared_memory
+
+    from radixlm.srt.distributed.fused_all_reduce import AllReduceNorm
+
+    try:
+        segments = [shared_memory.SharedMemory(name=name) for name in names]
+        bufs = [torch.frombuffer(s.buf, dtype=torch.uint8) for s in segments]
+        peers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+        fused = AllReduceNorm(rank, _SHM_WORLD, peers, _SHM_PER_PEER, _SHM_GRID, keep=(segments, bufs))
+        rng = random.Random(rank)
+        if rank == 1:
+            # rank 1 runs several times slower (threads sharing its interpreter lock): rank 0 then finishes each
+            # call first and pushes its next one while rank 1 still reads the current one
+            import sys
+            import threading
+
+            sys.setswitchinterval(1e-4)
+            for _ in range(_SHM_HOGS):
+                threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
+        results = []
+        for call, (rows, quant) in enumerate(_SHM_CALLS):
+            if rank == 1 and rng.random() < 0.5:
+                time.sleep(rng.random() * 0.3)
+            parts, residual, w = _shm_inputs(call, rows, n)
+            got = fused(parts[rank].clone(), residual.clone(), w, 1e-6, quant=quant)
+            results.append([t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in got])
+        # as plain pickled bytes: a tensor through the queue would be shared memory this process frees on exit
+        out.put(pickle.dumps((rank, results, fused.state.tolist())))
+        del fused, bufs, peers
+        for s in segments:
+            s.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        out.put(pickle.dumps((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None)))
+
+
+@pytest.mark.skipif(
+    DEV == "cuda", reason="the interpreter's two-process run; GPUs run tests/gpu/test_allreduce_norm_cuda.py"
+)
+def test_two_processes_over_shared_memory_agree_with_each_other_and_the_reference():
+    from multiprocessing import shared_memory
+
+    from radixlm.kernels.allreduce_norm import allreduce_rmsnorm_ref, buffer_bytes
+
+    n = 64
+    size = buffer_bytes(_SHM_WORLD, _SHM_PER_PEER, _SHM_GRID)
+    segments = [shared_memory.SharedMemory(create=True, size=size) for _ in range(_SHM_WORLD)]
+    try:
+        for s in segments:
+            s.buf[:size] = bytes(size)  # flags start below every epoch
+        ctx = torch.multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_shm_rank, args=(r, [s.name for s in segments], n, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = {}
+        for _ in procs:
+            rank, results, state = pickle.loads(out.get(timeout=240))
+            assert state is not None, results
+            got[rank] = results
+            assert state == [len(_SHM_CALLS) + 1, 0]  # one epoch a call, counted in the kernel
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in locals().get("procs", []):
+            if p.is_alive():  # a rank that waits forever (a flag that never came) must not outlive the test
+                p.kill()
+        for s in segments:
+            s.close()
+            s.unlink()
+    for call, (rows, quant) in enumerate(_SHM_CALLS):
+        for a, b in zip(got[0][call], got[1][call]):
+            assert torch.equal(a, b), f"call {call}: the ranks disagree"  # the same bits on every rank
+        parts, residual, w = _shm_inputs(call, rows, n)
+        want = allreduce_rmsnorm_ref(parts, residual.clone(), w, 1e-6, quant=quant)
+        assert _rel(got[0][call][-1], want[-1]) < 1e-2, f"call {call}: residual stream"  # interpreter truncation
+        if not quant:
+            assert _rel(got[0][call][0], want[0]) < 1.5e-2, f"call {call}: normed rows"
+        else:
+            assert torch.allclose(got[0][call][1], want[1], rtol=3e-2), f"call {call}: scales"
