@@ -1,6 +1,7 @@
 """Time the all-reduce + residual add + RMSNorm of a decode step, per call: NCCL's all-reduce followed by our norm
 kernel (what radixlm ran before, and runs with --disable-custom-all-reduce) against the fused kernel over
-symmetric memory (srt/distributed/fused_all_reduce.py), each as 64 calls in one CUDA graph, at decode row
+symmetric memory (srt/distributed/fused_all_reduce.py; one program per row, and split: every program of the
+grid pushing a part of the rows), each as 64 calls in one CUDA graph, at decode row
 counts and the Llama hidden sizes (8B: 4096, 70B: 8192), bf16 rows and e4m3 rows (an FP8 projection next).
 
 Usage (a host with at least WORLD GPUs): python benchmarks/gpu/bench_allreduce_norm.py --world 2 --out F.json
@@ -79,7 +80,9 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
 
                 row[f"nccl_norm_{tag}_us"] = _time_graph(nccl)
                 if fused is not None and fused.takes(x):
-                    row[f"fused_{tag}_us"] = _time_graph(lambda quant=quant: fused(x, res, w, 1e-5, quant=quant))
+                    for split in (False, True):
+                        key = f"fused{'_split' if split else ''}_{tag}_us"
+                        row[key] = _time_graph(lambda q=quant, s=split: fused(x, res, w, 1e-5, quant=q, split=s))
             rows_out.append(row)
     if rank == 0:
         out_q.put(rows_out)
@@ -103,13 +106,14 @@ def main() -> None:
     rows = q.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
-    head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>10} {'fused':>8} | {'NCCL+norm fp8':>13} {'fused fp8':>9}"
-    print(head + "  (us/call)")
+    head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>9} {'fused':>7} {'split':>7} |"
+    print(head + f" {'NCCL+norm':>9} {'fused':>7} {'split':>7}  (us/call; bf16 rows | e4m3 rows)")
     for r in rows:
         f = lambda k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
         print(
-            f"{r['hidden']:>6} {r['rows']:>5} | {f('nccl_norm_bf16_us'):>10} {f('fused_bf16_us'):>8} | "
-            f"{f('nccl_norm_fp8_us'):>13} {f('fused_fp8_us'):>9}"
+            f"{r['hidden']:>6} {r['rows']:>5} | {f('nccl_norm_bf16_us'):>9} {f('fused_bf16_us'):>7} "
+            f"{f('fused_split_bf16_us'):>7} | {f('nccl_norm_fp8_us'):>9} {f('fused_fp8_us'):>7} "
+            f"{f('fused_split_fp8_us'):>7}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "calls_per_graph": CALLS}

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 # from 64. No entry (NCCL for everything) where no measurement was made: 8 GPUs.
 PER_PEER_BYTES = {2: 4 << 20, 4: 256 << 10}
 _DTYPES = (torch.bfloat16, torch.float16)
+# From how many bytes a call's push is split over every program of the grid rather than one program per row.
+# Empty until measured on a GPU (benchmarks/gpu/bench_allreduce_norm.py times both): one program per row.
+SPLIT_FROM_BYTES: dict[int, int] = {}
 
 # Group names this process has mapped symmetric memory for. torch keeps what a rendezvous learned about a group
 # by its name, and a later group (another in-process Engine after the first shut down) gets the same name from
@@ -53,12 +56,15 @@ class AllReduceNorm:
             and 0 < x.shape[0] * x.shape[1] * x.element_size() <= self.per_peer_bytes
         )
 
-    def __call__(self, x, residual, weight, eps, quant: bool = False):
+    def __call__(self, x, residual, weight, eps, quant: bool = False, split: bool | None = None):
         """(rmsnorm(sum over ranks of x + residual), residual) with x overwritten, or (e4m3 rows, scales,
-        residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm)."""
+        residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm). `split`
+        (every program pushing a part of the rows): by SPLIT_FROM_BYTES unless given."""
+        if split is None:
+            split = x.numel() * x.element_size() >= SPLIT_FROM_BYTES.get(self.world, 1 << 62)
         return allreduce_rmsnorm(
             x, residual, weight, eps, self.peers, self.state, self.rank, self.world, self.per_peer_bytes,
-            self.grid_max, quant,
+            self.grid_max, quant, split,
         )  # fmt: skip
 
 

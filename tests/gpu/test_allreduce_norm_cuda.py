@@ -66,11 +66,11 @@ def _check(rank: int, world: int, port: int) -> None:
         for rows in (1, 2, 7, 16, 32, 64, 96, 160, 256):
             if not fused.takes(torch.empty(rows, n, dtype=torch.bfloat16)):
                 continue
-            for quant in (False, True):
+            for quant, split in ((False, False), (True, False), (False, True), (True, True)):
                 seed += 1
                 x, residual, w, parts = inputs(rows, n, seed)
                 want = allreduce_rmsnorm_ref(parts, residual.clone(), w, 1e-5, quant=quant)
-                got = fused(x, residual, w, 1e-5, quant=quant)
+                got = fused(x, residual, w, 1e-5, quant=quant, split=split)
                 torch.cuda.synchronize()
                 assert torch.equal(got[-1], want[-1]), f"residual stream differs at {rows} x {n}"
                 if quant:
@@ -82,7 +82,7 @@ def _check(rank: int, world: int, port: int) -> None:
                 for t in got:
                     same_everywhere(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
 
-    # CUDA graphs: three calls captured, replayed with new inputs each time
+    # CUDA graphs: three calls captured (one program per row, split, one per row), replayed with new inputs
     rows, n = 32, 4096
     x, residual, w, _ = inputs(rows, n, 99)
     xs = [x.clone() for _ in range(3)]
@@ -90,13 +90,12 @@ def _check(rank: int, world: int, port: int) -> None:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for xi in xs:  # warm up (compiles) outside the capture
-            fused(xi.clone(), res.clone(), w, 1e-5)
+        for i, xi in enumerate(xs):  # warm up (compiles) outside the capture
+            fused(xi.clone(), res.clone(), w, 1e-5, split=i == 1)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for xi in xs:
-            fused(xi, res, w, 1e-5)
+        outs = [fused(xi, res, w, 1e-5, split=i == 1)[0] for i, xi in enumerate(xs)]
     for replay in range(5):
         parts_all = []
         for i, xi in enumerate(xs):
@@ -111,7 +110,7 @@ def _check(rank: int, world: int, port: int) -> None:
         for parts in parts_all:
             out, want_res = allreduce_rmsnorm_ref(parts, want_res.clone(), w, 1e-5)
         assert torch.equal(res, want_res), f"graph replay {replay}: residual stream differs"
-        assert ((xs[-1].float() - out.float()).norm() / out.float().norm()).item() < 1e-2
+        assert ((outs[-1].float() - out.float()).norm() / out.float().norm()).item() < 1e-2
         same_everywhere(res)
     dist.barrier(group=tp.group)
     dist.destroy_process_group()

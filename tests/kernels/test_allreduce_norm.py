@@ -43,9 +43,10 @@ def _views(buf, world, per_peer, grid_max, n, dtype):
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="one process stands in for two ranks only in the interpreter")
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("quant", [False, True])
 @pytest.mark.parametrize("rows,n,grid_max", [(1, 96, 4), (5, 64, 2), (3, 576, 8)])
-def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max):
+def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max, split):
     from radixlm.kernels.allreduce_norm import allreduce_rmsnorm, allreduce_rmsnorm_ref
 
     world, per_peer, dtype = 2, 8 * 1024 * 2, torch.bfloat16
@@ -53,7 +54,7 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max):
     state = torch.tensor([1, 0], dtype=torch.int64)
     g = torch.Generator().manual_seed(rows * n)
     w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
-    grid = min(rows, grid_max)
+    grid = grid_max if split else min(rows, grid_max)  # split: every program pushes a part of the rows
     for call in range(3):  # three calls: both parities, the epoch counted on the "device"
         epoch = call + 1
         mine = torch.randn(rows, n, generator=g).to(dtype)
@@ -65,7 +66,7 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max):
         flags0[:grid, 1] = epoch  # ... and its flags
         want = allreduce_rmsnorm_ref([mine, peer], residual.clone(), w, 1e-6, quant=quant)
         x, res = mine.clone(), residual.clone()
-        got = allreduce_rmsnorm(x, res, w, 1e-6, peers, state, 0, world, per_peer, grid_max, quant=quant)
+        got = allreduce_rmsnorm(x, res, w, 1e-6, peers, state, 0, world, per_peer, grid_max, quant=quant, split=split)
         # rank 0's rows and flags reached rank 1's buffer, in this call's parity
         assert torch.equal(data1[epoch % 2, 0, :rows], mine)
         assert (flags1[:grid, 0] == epoch).all() and (flags1[grid:, 0] < epoch).all()
@@ -80,7 +81,8 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max):
             assert torch.allclose(s, ws, rtol=3e-2)  # bf16 truncation in the interpreter
         else:
             out, _ = got
-            assert out.data_ptr() == x.data_ptr()  # in place, as fused_add_rmsnorm_
+            # in place as fused_add_rmsnorm_, but split: other programs may still push rows one has normed
+            assert (out.data_ptr() == x.data_ptr()) != split
             assert _rel(out, want[0]) < 1.5e-2
 
 
@@ -128,16 +130,16 @@ from triton.compiler import ASTSource
 from radixlm.kernels.allreduce_norm import _allreduce_rmsnorm_kernel as fn
 
 out = []
-for quant in (False, True):
+for quant, split in ((False, False), (True, False), (False, True)):
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv",
            "s_ptr": "*fp32", "peers_ptr": "*i64", "state_ptr": "*i64", "n_rows": "i32", "stride_x": "i32",
            "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32", "rank": "i32",
-           "rows_cap": "i32", "data_off": "i32"}
-    const = dict(WORLD=2, QUANT=quant, USE_PDL=True, BLOCK=4096)
+           "rows_cap": "i32", "data_off": "i32", "chunk": "i32"}
+    const = dict(WORLD=2, QUANT=quant, SPLIT=split, USE_PDL=True, BLOCK=4096, GBLOCK=128)
     sig.update({k: "constexpr" for k in const})
     # what a launch with 4096-wide rows tells the compiler: tensors and these integers divide by 16
     hints = [a for a, t in sig.items() if t.startswith("*")]
-    hints += ["stride_x", "stride_res", "stride_out", "n_cols", "rows_cap", "data_off"]
+    hints += ["stride_x", "stride_res", "stride_out", "n_cols", "rows_cap", "data_off", "chunk"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs=attrs)
@@ -174,6 +176,9 @@ def test_compiles_for_hopper_with_system_scope_flags_and_vector_rows():
 # "flag at least this epoch" rules are what keep the answers right. Interpreter atomics are the host's.
 _SHM_WORLD, _SHM_PER_PEER, _SHM_GRID = 2, 16 * 64 * 2, 2
 _SHM_HOGS = 6
+# (rows, quant). One program per row only: a split push has every program wait for every peer program's flag,
+# which the interpreter, running one program after another, cannot do (GPUs run them at once; the rank-0 tests
+# above and tests/gpu/test_allreduce_norm_cuda.py cover it)
 _SHM_CALLS = [(1, False), (3, True), (5, False), (2, False), (4, True), (1, True), (5, False), (3, False)]
 
 
@@ -213,7 +218,7 @@ def _shm_rank(rank: int, names: list[str], n: int, out) -> None:
             if rank == 1 and rng.random() < 0.5:
                 time.sleep(rng.random() * 0.3)
             parts, residual, w = _shm_inputs(call, rows, n)
-            got = fused(parts[rank].clone(), residual.clone(), w, 1e-6, quant=quant)
+            got = fused(parts[rank].clone(), residual.clone(), w, 1e-6, quant=quant, split=False)
             results.append([t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in got])
         # as plain pickled bytes: a tensor through the queue would be shared memory this process frees on exit
         out.put(pickle.dumps((rank, results, fused.state.tolist())))
