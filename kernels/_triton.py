@@ -56,7 +56,9 @@ def pdl_enabled(device) -> bool:
 
 def pdl_args(device) -> dict:
     """Launch arguments for a kernel with a `USE_PDL` constexpr that, when set, waits (`gdc_wait`) before it
-    reads anything the kernels before it write."""
+    reads anything the kernels before it write. Every program of such a kernel must reach `gdc_wait` before it
+    ends (no early return ahead of it): a kernel's completion then means the kernels before it completed, which
+    kernels that count calls on the device rely on (kernels/allreduce_norm.py's epoch)."""
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 

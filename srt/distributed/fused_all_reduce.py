@@ -83,8 +83,10 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.group)
         return bool(flag.item())
 
+    # every program of a call must be resident at once (they wait for each other across ranks): a quarter of the
+    # SMs stays free for kernels of other streams or processes that could otherwise hold them
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    grid_max = min(GRID_MAX, tp.all_reduce_min(sms))
+    grid_max = min(GRID_MAX, tp.all_reduce_min(sms * 3 // 4))
     buf, why = None, ""
     if tp.group.group_name in _MAPPED:
         why = f"group name {tp.group.group_name!r} was mapped earlier in this process"
@@ -107,7 +109,10 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
         if enable is not None and not hasattr(enable, "__deprecated__"):
             enable(tp.group.group_name)
         handle = symm_mem.rendezvous(buf, tp.group.group_name)  # maps every peer's buffer (a collective)
-        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        ptrs = list(handle.buffer_ptrs)
+        if ptrs[tp.rank] != buf.data_ptr():  # the kernel addresses its own buffer through `peers` too
+            raise RuntimeError(f"rank {tp.rank}'s mapped buffer is at {ptrs[tp.rank]:#x}, not {buf.data_ptr():#x}")
+        peers = torch.tensor(ptrs, dtype=torch.int64, device=device)
         fused = AllReduceNorm(tp.rank, tp.size, peers, per_peer, grid_max, keep=(buf, handle))
         dist.barrier(group=tp.group)  # every peer's flags are zero before anyone pushes
         ok, why = _probe(fused, tp, device)

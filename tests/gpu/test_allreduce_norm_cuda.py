@@ -82,6 +82,38 @@ def _check(rank: int, world: int, port: int) -> None:
                 for t in got:
                     same_everywhere(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
 
+    # ranks out of step: 120 calls back to back with no host sync or collective between them, rank 1 sleeping
+    # on its GPU before about half, so that rank 0 runs ahead and its pushes and flags for the next call land
+    # while rank 1 still reads the current one (every rank builds every rank's rows itself: no NCCL in between)
+    import random
+
+    def local_inputs(rows: int, n: int, seed: int):
+        parts = []
+        for r in range(world):
+            g = torch.Generator(device=dev).manual_seed(seed * 1000 + r)
+            parts.append(torch.randn(rows, n, generator=g, device=dev).to(torch.bfloat16))
+        g = torch.Generator(device=dev).manual_seed(seed)
+        residual = torch.randn(rows, n, generator=g, device=dev).to(torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(n, generator=g, device=dev)).to(torch.bfloat16)
+        return parts, residual, w
+
+    shapes = random.Random(5)  # the same calls on every rank
+    plan = [(shapes.choice((1, 3, 32, 96)), shapes.random() < 0.3, shapes.random() < 0.5) for _ in range(120)]
+    calls = [local_inputs(rows, 4096, 5000 + i) for i, (rows, _, _) in enumerate(plan)]
+    torch.cuda.synchronize()
+    dist.barrier(group=tp.group)
+    delays = random.Random(100 + rank)
+    outs = []
+    for (rows, quant, split), (parts, residual, w) in zip(plan, calls):
+        if rank == 1 and delays.random() < 0.5:
+            torch.cuda._sleep(int(delays.random() * 2_000_000))  # up to about a millisecond of GPU clock
+        outs.append(fused(parts[rank].clone(), residual.clone(), w, 1e-5, quant=quant, split=split))
+    torch.cuda.synchronize()
+    for i, ((rows, quant, _), (parts, residual, w), got) in enumerate(zip(plan, calls, outs)):
+        want = allreduce_rmsnorm_ref(parts, residual.clone(), w, 1e-5, quant=quant)
+        assert torch.equal(got[-1], want[-1]), f"out-of-step call {i} ({rows} rows): residual stream differs"
+        same_everywhere(got[-1])
+
     # CUDA graphs: three calls captured (one program per row, split, one per row), replayed with new inputs
     rows, n = 32, 4096
     x, residual, w, _ = inputs(rows, n, 99)
