@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -20,41 +19,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from radixlm.srt.distributed.ranks import free_init_addr  # noqa: E402
+
 CALLS = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _time_graph(fn, reps: int = 20) -> float:
-    """Median microseconds per call of `fn` (CALLS calls captured in one graph)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / CALLS)
-    return sorted(times)[len(times) // 2]
-
-
-def _worker(rank: int, world: int, port: int, args, out_q) -> None:
+def _worker(rank: int, world: int, init: str, args, out_q) -> None:
     import torch.distributed as dist
 
+    from radixlm.kernels.gemv import _time_calls
     from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm_fp8
     from radixlm.srt.distributed.fused_all_reduce import setup
     from radixlm.srt.distributed.parallel import init_tensor_parallel
@@ -62,7 +35,11 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    tp = init_tensor_parallel(world, rank, f"tcp://127.0.0.1:{port}", "nccl", 60)
+    tp = init_tensor_parallel(world, rank, init, "nccl", 60)
+
+    def per_call_us(fn) -> float:  # CALLS calls back to back in one CUDA graph, median of 20 replays
+        return _time_calls([fn], rounds=CALLS, graph_reps=20) * 1e3
+
     fused = setup(tp, dev)
     rows_out = []
     for n in args.hidden:
@@ -78,11 +55,11 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
                     dist.all_reduce(x, group=tp.group)
                     return rmsnorm_fp8(x, res, w, 1e-5) if quant else fused_add_rmsnorm_(x, res, w, 1e-5)
 
-                row[f"nccl_norm_{tag}_us"] = _time_graph(nccl)
+                row[f"nccl_norm_{tag}_us"] = per_call_us(nccl)
                 if fused is not None and fused.takes(x):
                     for split in (False, True):
                         key = f"fused{'_split' if split else ''}_{tag}_us"
-                        row[key] = _time_graph(lambda q=quant, s=split: fused(x, res, w, 1e-5, quant=q, split=s))
+                        row[key] = per_call_us(lambda q=quant, s=split: fused(x, res, w, 1e-5, quant=q, split=s))
             rows_out.append(row)
     if rank == 0:
         out_q.put(rows_out)
@@ -99,8 +76,8 @@ def main() -> None:
     args = ap.parse_args()
     ctx = torch.multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    init = free_init_addr()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, q)) for r in range(args.world)]
     for p in procs:
         p.start()
     rows = q.get(timeout=600)

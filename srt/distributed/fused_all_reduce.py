@@ -79,9 +79,7 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
         return None
 
     def everyone(ok: bool) -> bool:
-        flag = torch.tensor([int(ok)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.group)
-        return bool(flag.item())
+        return bool(tp.all_reduce_min(int(ok)))
 
     # every program of a call must be resident at once (they wait for each other across ranks): a quarter of the
     # SMs stays free for kernels of other streams or processes that could otherwise hold them

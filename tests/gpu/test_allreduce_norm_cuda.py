@@ -7,31 +7,26 @@ eager calls of every row count the decode buckets use, FP8 rows, and CUDA graphs
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+
+from radixlm.srt.distributed.ranks import free_init_addr
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs at least two GPUs")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, errors) -> None:
+def _worker(rank: int, world: int, init: str, errors) -> None:
     try:
-        _check(rank, world, port)
+        _check(rank, world, init)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test with it
         import traceback
 
         errors.put(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
-def _check(rank: int, world: int, port: int) -> None:
+def _check(rank: int, world: int, init: str) -> None:
     import torch.distributed as dist
 
     from radixlm.kernels.allreduce_norm import allreduce_rmsnorm_ref
@@ -41,7 +36,7 @@ def _check(rank: int, world: int, port: int) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    tp = init_tensor_parallel(world, rank, f"tcp://127.0.0.1:{port}", "nccl", 60)
+    tp = init_tensor_parallel(world, rank, init, "nccl", 60)
     fused = setup(tp, dev)
     assert fused is not None, "the fused all-reduce did not set up"
 
@@ -152,8 +147,8 @@ def _check(rank: int, world: int, port: int) -> None:
 def test_fused_all_reduce_norm_matches_the_gathered_reference(world):
     ctx = torch.multiprocessing.get_context("spawn")
     errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, errors)) for r in range(world)]
+    init = free_init_addr()
+    procs = [ctx.Process(target=_worker, args=(r, world, init, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
