@@ -91,8 +91,9 @@ class RMSNorm(nn.Module):
         may overwrite x and residual in place: callers pass tensors they no longer need. A PartialSum (a
         row-parallel projection's share) is summed across ranks first, in the norm's kernel where one exists."""
         if isinstance(x, PartialSum):
-            if residual is not None:
-                return self._reduce_norm(x, residual, quant=False)
+            done = self._fused(x, residual, quant=False)
+            if done is not None:
+                return done
             x = x.reduced()
         if residual is None:
             return self.ops.rmsnorm(x, self.weight, self.eps)
@@ -104,8 +105,9 @@ class RMSNorm(nn.Module):
         the FP8 paths take as they are. Without `residual`, x itself is the residual stream."""
         quant = self.ops.rmsnorm_fp8 is not None and getattr(proj.quant, "scaled", False)
         if isinstance(x, PartialSum):
-            if residual is not None:
-                return self._reduce_norm(x, residual, quant)
+            done = self._fused(x, residual, quant)
+            if done is not None:
+                return done
             x = x.reduced()
         if quant and x.dim() == 2:
             return self.ops.rmsnorm_fp8(x, residual, self.weight, self.eps)
@@ -113,19 +115,16 @@ class RMSNorm(nn.Module):
             return self.forward(x), x
         return self.forward(x, residual)
 
-    def _reduce_norm(self, part: PartialSum, residual: torch.Tensor, quant: bool):
-        """The norm of the sum over ranks of `part`: one kernel (all-reduce, residual add, norm, and the e4m3
-        rows of an FP8 projection with `quant`) where the group has it and the rows fit, else the all-reduce
-        and then this norm's own path."""
+    def _fused(self, part: PartialSum, residual: torch.Tensor | None, quant: bool):
+        """One kernel for the all-reduce of `part`, the residual add, this norm, and the e4m3 rows of an FP8
+        projection with `quant`: (rows, residual) as `before` returns them; None where the group has no such
+        kernel, there is no residual or the rows do not fit (the caller then all-reduces and takes its own path)."""
         fused = part.tp.fused
-        if fused is not None and fused.takes(part.x):
-            if quant:
-                from radixlm.srt.layers.quantization.fp8 import Fp8Rows
+        if fused is None or residual is None or not fused.takes(part.x):
+            return None
+        if quant:
+            from radixlm.srt.layers.quantization.fp8 import Fp8Rows
 
-                q, scale, residual = fused(part.x, residual, self.weight, self.eps, quant=True)
-                return Fp8Rows(q, scale, part.x.dtype), residual
-            return fused(part.x, residual, self.weight, self.eps)
-        x = part.reduced()
-        if quant and x.dim() == 2:
-            return self.ops.rmsnorm_fp8(x, residual, self.weight, self.eps)
-        return self.forward(x, residual)
+            q, scale, residual = fused(part.x, residual, self.weight, self.eps, quant=True)
+            return Fp8Rows(q, scale, part.x.dtype), residual
+        return fused(part.x, residual, self.weight, self.eps)
