@@ -8,8 +8,6 @@ dtype. A call:
 1. pushes each of its rows into every peer's data region (slot: this call's parity, this rank, the row) over
    NVLink, and after a block barrier raises its flag in every peer (a release store at system scope);
 2. waits until every peer's flag for this program reached this call's epoch (acquire loads of its own flags);
-   with `split`, every program pushes an equal part of the rows instead of its own rows (so that a few rows
-   still keep every program of the grid pushing), and waits for every peer program's flag;
 3. sums the rows in rank order in float32 (its own from x, the peers' from its own data region), so that every
    rank computes the same bits, then adds the residual and normalizes as the norm kernel does.
 
@@ -78,13 +76,10 @@ def _allreduce_rmsnorm_kernel(
     rank,
     rows_cap,
     data_off,
-    chunk,
     WORLD: tl.constexpr,
     QUANT: tl.constexpr,
-    SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK: tl.constexpr,
-    GBLOCK: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()
@@ -100,51 +95,25 @@ def _allreduce_rmsnorm_kernel(
     # the buffers' addresses come from memory: say they are 16-byte aligned so that rows move in vectors
     own_data = tl.multiple_of(tl.load(peers_ptr + rank).to(tl.pointer_type(dtype)), 16) + data_off
 
-    # 1. this rank's rows into every peer's slot for it: each program its own rows, or (SPLIT) each program an
-    # equal run of the flat [rows, n] block, so that every program pushes however few rows there are
-    if SPLIT:
-        total = n_rows * n_cols
-        start = pid * chunk
-        end = tl.minimum(start + chunk, total)
-        slot = (parity * WORLD + rank) * rows_cap * n_cols
-        for off in range(start, end, BLOCK):
-            offs = off + cols
-            m = offs < end
-            x = tl.load(x_ptr + offs, mask=m, other=0.0)
-            for r in tl.static_range(WORLD):
-                if r != rank:
-                    peer = tl.multiple_of(tl.load(peers_ptr + r).to(tl.pointer_type(dtype)), 16) + data_off
-                    tl.store(peer + slot + offs, x, mask=m)
-    else:
-        for row in range(pid, n_rows, grid):
-            x = tl.load(x_ptr + tl.cast(row, tl.int64) * stride_x + cols, mask=mask, other=0.0)
-            slot = ((parity * WORLD + rank) * rows_cap + row) * n_cols
-            for r in tl.static_range(WORLD):
-                if r != rank:
-                    peer = tl.multiple_of(tl.load(peers_ptr + r).to(tl.pointer_type(dtype)), 16) + data_off
-                    tl.store(peer + slot + cols, x, mask=mask)
+    # 1. this program's rows into every peer's slot for them
+    for row in range(pid, n_rows, grid):
+        x = tl.load(x_ptr + tl.cast(row, tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        slot = ((parity * WORLD + rank) * rows_cap + row) * n_cols
+        for r in tl.static_range(WORLD):
+            if r != rank:
+                peer = tl.multiple_of(tl.load(peers_ptr + r).to(tl.pointer_type(dtype)), 16) + data_off
+                tl.store(peer + slot + cols, x, mask=mask)
     tl.debug_barrier()  # every thread's stores issued before the flag that releases them
     for r in tl.static_range(WORLD):
         if r != rank:
             peer_flags = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
 
-    # 2. every peer's rows for this program have arrived: from the peer's program of the same index, or (SPLIT)
-    # from all of the peer's programs
-    if SPLIT:
-        g = tl.arange(0, GBLOCK)
-        live = g < grid
-        for r in tl.static_range(WORLD):
-            if r != rank:
-                pending = 1
-                while pending > 0:
-                    seen = tl.atomic_add(own_flags + g * WORLD + r, 0, mask=live, sem="acquire", scope="sys")
-                    pending = tl.sum(tl.where(live & (seen < epoch), 1, 0))
-    else:
-        for r in tl.static_range(WORLD):
-            if r != rank:
-                while tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys") < epoch:
-                    pass
+    # 2. every peer's rows for this program have arrived (from the peer's program of the same index)
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            while tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys") < epoch:
+                pass
     tl.debug_barrier()
 
     # 3. the sum in rank order, the residual add and the norm
@@ -183,13 +152,11 @@ def allreduce_rmsnorm(
     per_peer_bytes: int,
     grid_max: int = GRID_MAX,
     quant: bool = False,
-    split: bool = False,
 ):
-    """x [T, N]: this rank's partial sums (unit stride along N; overwritten with the normed rows unless `quant`
-    or `split`); residual [T, N] updated in place. Returns (normed rows, residual), or (e4m3 rows, float32
-    scales [T, 1], residual) with `quant`. Every rank of the group must make the same call, and
-    T * N * itemsize <= per_peer_bytes. `split`: every program of a grid of `grid_max` pushes an equal part of
-    the rows (x contiguous), instead of one program per row (at most `grid_max`) pushing its own rows."""
+    """x [T, N]: this rank's partial sums (unit stride along N; overwritten with the normed rows unless
+    `quant`); residual [T, N] updated in place. Returns (normed rows, residual), or (e4m3 rows, float32 scales
+    [T, 1], residual) with `quant`. Every rank of the group must make the same call, and
+    T * N * itemsize <= per_peer_bytes. One program per row, at most `grid_max` (programs loop over rows)."""
     t, n = x.shape
     rows_cap = per_peer_bytes // (n * x.element_size())
     if not 0 < t <= rows_cap:
@@ -198,11 +165,8 @@ def allreduce_rmsnorm(
     if quant:
         q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
-    split = split and x.is_contiguous()
-    grid = grid_max if split else min(t, grid_max)
-    # one program per row writes its normed rows over its own partial ones; split, a program may still be
-    # pushing rows another has normed, so the rows go to a tensor of their own
-    out = torch.empty_like(x) if split and not quant else x
+    grid = min(t, grid_max)
+    out = x  # a program writes its normed rows over the partial rows it pushed and summed itself
     block = next_pow2(n)
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     _allreduce_rmsnorm_kernel[(grid,)](
@@ -223,12 +187,9 @@ def allreduce_rmsnorm(
         rank,
         rows_cap,
         flag_bytes(world, grid_max) // x.element_size(),
-        triton.cdiv(triton.cdiv(t * n, grid), 64) * 64,  # SPLIT: each program's run, whole 128-byte lines
         WORLD=world,
         QUANT=quant,
-        SPLIT=split,
         BLOCK=block,
-        GBLOCK=next_pow2(grid_max),
         num_warps=warps,
         **pdl_args(x.device),
     )

@@ -1,7 +1,6 @@
 """Time the all-reduce + residual add + RMSNorm of a decode step, per call: NCCL's all-reduce followed by our norm
 kernel (what radixlm ran before, and runs with --disable-custom-all-reduce) against the fused kernel over
-symmetric memory (srt/distributed/fused_all_reduce.py; one program per row, and split: every program of the
-grid pushing a part of the rows), each as 64 calls in one CUDA graph, at decode row
+symmetric memory (srt/distributed/fused_all_reduce.py), each as 64 calls in one CUDA graph, at decode row
 counts and the Llama hidden sizes (8B: 4096, 70B: 8192), bf16 rows and e4m3 rows (an FP8 projection next).
 
 Usage (a host with at least WORLD GPUs): python benchmarks/gpu/bench_allreduce_norm.py --world 2 --out F.json
@@ -29,6 +28,7 @@ def _worker(rank: int, world: int, init: str, args, out_q) -> None:
 
     from radixlm.kernels.gemv import _time_calls
     from radixlm.kernels.norm import fused_add_rmsnorm_, rmsnorm_fp8
+    from radixlm.srt.distributed import fused_all_reduce
     from radixlm.srt.distributed.fused_all_reduce import setup
     from radixlm.srt.distributed.parallel import init_tensor_parallel
 
@@ -40,6 +40,9 @@ def _worker(rank: int, world: int, init: str, args, out_q) -> None:
     def per_call_us(fn) -> float:  # CALLS calls back to back in one CUDA graph, median of 20 replays
         return _time_calls([fn], rounds=CALLS, graph_reps=20) * 1e3
 
+    if args.per_peer_kib:  # past the runtime's limits: its buffer size and its row cap
+        fused_all_reduce.PER_PEER_BYTES[world] = args.per_peer_kib << 10
+        fused_all_reduce.MAX_ROWS.pop(world, None)
     fused = setup(tp, dev)
     rows_out = []
     for n in args.hidden:
@@ -57,9 +60,7 @@ def _worker(rank: int, world: int, init: str, args, out_q) -> None:
 
                 row[f"nccl_norm_{tag}_us"] = per_call_us(nccl)
                 if fused is not None and fused.takes(x):
-                    for split in (False, True):
-                        key = f"fused{'_split' if split else ''}_{tag}_us"
-                        row[key] = per_call_us(lambda q=quant, s=split: fused(x, res, w, 1e-5, quant=q, split=s))
+                    row[f"fused_{tag}_us"] = per_call_us(lambda q=quant: fused(x, res, w, 1e-5, quant=q))
             rows_out.append(row)
     if rank == 0:
         out_q.put(rows_out)
@@ -73,6 +74,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--per-peer-kib",
+        type=int,
+        help="the fused kernel's buffer (KiB a peer) instead of the runtime's PER_PEER_BYTES for this world size: "
+        "times it past the size where the runtime hands over to NCCL",
+    )
     args = ap.parse_args()
     ctx = torch.multiprocessing.get_context("spawn")
     q = ctx.Queue()
@@ -83,17 +90,17 @@ def main() -> None:
     rows = q.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
-    head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>9} {'fused':>7} {'split':>7} |"
-    print(head + f" {'NCCL+norm':>9} {'fused':>7} {'split':>7}  (us/call; bf16 rows | e4m3 rows)")
+    head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>9} {'fused':>7} |"
+    print(head + f" {'NCCL+norm':>9} {'fused':>7}  (us/call; bf16 rows | e4m3 rows)")
     for r in rows:
         f = lambda k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
         print(
-            f"{r['hidden']:>6} {r['rows']:>5} | {f('nccl_norm_bf16_us'):>9} {f('fused_bf16_us'):>7} "
-            f"{f('fused_split_bf16_us'):>7} | {f('nccl_norm_fp8_us'):>9} {f('fused_fp8_us'):>7} "
-            f"{f('fused_split_fp8_us'):>7}"
+            f"{r['hidden']:>6} {r['rows']:>5} | {f('nccl_norm_bf16_us'):>9} {f('fused_bf16_us'):>7} | "
+            f"{f('nccl_norm_fp8_us'):>9} {f('fused_fp8_us'):>7}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "calls_per_graph": CALLS}
+    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "calls_per_graph": CALLS,
+            "per_peer_kib": args.per_peer_kib}  # fmt: skip
     args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
 
 

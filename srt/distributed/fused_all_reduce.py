@@ -21,13 +21,12 @@ logger = logging.getLogger(__name__)
 # Rows pushed to each peer per call (bytes), up to where the fused kernel measured faster than NCCL's all-reduce
 # and the norm kernel (benchmarks/gpu/bench_allreduce_norm.py, 4 x H200 NVLink): a rank pushes world_size - 1
 # copies, where NCCL's ring moves about two, so the push's lead shrinks with the group and the tensor. At tp 2 it
-# led at every decode batch (4 MiB: a 70B batch of 256 rows); at tp 4 up to 32 rows of 4096 (256 KiB) and lost
-# from 64. No entry (NCCL for everything) where no measurement was made: 8 GPUs.
-PER_PEER_BYTES = {2: 4 << 20, 4: 256 << 10}
+# led at every decode batch measured (4 MiB: a 70B batch of 256 rows). At tp 4 it led up to 32 rows and lost
+# from 64 at both Llama hidden sizes (4096 and 8192), so there the rows are capped too (MAX_ROWS). No entry (NCCL
+# for everything) where no measurement was made: 8 GPUs.
+PER_PEER_BYTES = {2: 4 << 20, 4: 512 << 10}
+MAX_ROWS = {4: 32}
 _DTYPES = (torch.bfloat16, torch.float16)
-# From how many bytes a call's push is split over every program of the grid rather than one program per row.
-# Empty until measured on a GPU (benchmarks/gpu/bench_allreduce_norm.py times both): one program per row.
-SPLIT_FROM_BYTES: dict[int, int] = {}
 
 # Group names this process has mapped symmetric memory for. torch keeps what a rendezvous learned about a group
 # by its name, and a later group (another in-process Engine after the first shut down) gets the same name from
@@ -42,9 +41,12 @@ class AllReduceNorm:
     caller's (symmetric memory on GPUs: `setup`), kept alive here through `keep`. Every rank of the group makes
     the same calls in the same order."""
 
-    def __init__(self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int, keep=()):
+    def __init__(
+        self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int, max_rows=None, keep=()
+    ):
         self.rank, self.world, self.peers = rank, world, peers
         self.per_peer_bytes, self.grid_max = per_peer_bytes, grid_max
+        self.max_rows = max_rows or 1 << 62
         self.state = torch.tensor([1, 0], dtype=torch.int64, device=peers.device)  # [epoch, programs done]
         self._keep = keep
 
@@ -53,18 +55,16 @@ class AllReduceNorm:
             x.dim() == 2
             and x.dtype in _DTYPES
             and x.stride(1) == 1
-            and 0 < x.shape[0] * x.shape[1] * x.element_size() <= self.per_peer_bytes
+            and 0 < x.shape[0] <= self.max_rows
+            and x.shape[0] * x.shape[1] * x.element_size() <= self.per_peer_bytes
         )
 
-    def __call__(self, x, residual, weight, eps, quant: bool = False, split: bool | None = None):
+    def __call__(self, x, residual, weight, eps, quant: bool = False):
         """(rmsnorm(sum over ranks of x + residual), residual) with x overwritten, or (e4m3 rows, scales,
-        residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm). `split`
-        (every program pushing a part of the rows): by SPLIT_FROM_BYTES unless given."""
-        if split is None:
-            split = x.numel() * x.element_size() >= SPLIT_FROM_BYTES.get(self.world, 1 << 62)
+        residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm)."""
         return allreduce_rmsnorm(
             x, residual, weight, eps, self.peers, self.state, self.rank, self.world, self.per_peer_bytes,
-            self.grid_max, quant, split,
+            self.grid_max, quant,
         )  # fmt: skip
 
 
@@ -111,7 +111,7 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
         if ptrs[tp.rank] != buf.data_ptr():  # the kernel addresses its own buffer through `peers` too
             raise RuntimeError(f"rank {tp.rank}'s mapped buffer is at {ptrs[tp.rank]:#x}, not {buf.data_ptr():#x}")
         peers = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        fused = AllReduceNorm(tp.rank, tp.size, peers, per_peer, grid_max, keep=(buf, handle))
+        fused = AllReduceNorm(tp.rank, tp.size, peers, per_peer, grid_max, MAX_ROWS.get(tp.size), keep=(buf, handle))
         dist.barrier(group=tp.group)  # every peer's flags are zero before anyone pushes
         ok, why = _probe(fused, tp, device)
     except Exception as e:  # noqa: BLE001

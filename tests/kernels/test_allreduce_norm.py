@@ -43,10 +43,9 @@ def _views(buf, world, per_peer, grid_max, n, dtype):
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="one process stands in for two ranks only in the interpreter")
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("quant", [False, True])
 @pytest.mark.parametrize("rows,n,grid_max", [(1, 96, 4), (5, 64, 2), (3, 576, 8)])
-def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max, split):
+def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max):
     from radixlm.kernels.allreduce_norm import allreduce_rmsnorm, allreduce_rmsnorm_ref
 
     world, per_peer, dtype = 2, 8 * 1024 * 2, torch.bfloat16
@@ -54,7 +53,7 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max, spli
     state = torch.tensor([1, 0], dtype=torch.int64)
     g = torch.Generator().manual_seed(rows * n)
     w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
-    grid = grid_max if split else min(rows, grid_max)  # split: every program pushes a part of the rows
+    grid = min(rows, grid_max)  # one program per row, programs looping over rows past grid_max
     for call in range(3):  # three calls: both parities, the epoch counted on the "device"
         epoch = call + 1
         mine = torch.randn(rows, n, generator=g).to(dtype)
@@ -66,7 +65,7 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max, spli
         flags0[:grid, 1] = epoch  # ... and its flags
         want = allreduce_rmsnorm_ref([mine, peer], residual.clone(), w, 1e-6, quant=quant)
         x, res = mine.clone(), residual.clone()
-        got = allreduce_rmsnorm(x, res, w, 1e-6, peers, state, 0, world, per_peer, grid_max, quant=quant, split=split)
+        got = allreduce_rmsnorm(x, res, w, 1e-6, peers, state, 0, world, per_peer, grid_max, quant=quant)
         # rank 0's rows and flags reached rank 1's buffer, in this call's parity
         assert torch.equal(data1[epoch % 2, 0, :rows], mine)
         assert (flags1[:grid, 0] == epoch).all() and (flags1[grid:, 0] < epoch).all()
@@ -81,8 +80,7 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max, spli
             assert torch.allclose(s, ws, rtol=3e-2)  # bf16 truncation in the interpreter
         else:
             out, _ = got
-            # in place as fused_add_rmsnorm_, but split: other programs may still push rows one has normed
-            assert (out.data_ptr() == x.data_ptr()) != split
+            assert out.data_ptr() == x.data_ptr()  # in place, as fused_add_rmsnorm_
             assert _rel(out, want[0]) < 1.5e-2
 
 
@@ -122,6 +120,24 @@ def test_rows_past_the_buffer_are_refused():
         allreduce_rmsnorm(x, x.clone(), x[0], 1e-6, torch.zeros(2, dtype=torch.int64), torch.zeros(2), 0, 2, 8 * 64 * 2)
 
 
+def test_the_runtime_takes_rows_up_to_its_byte_and_row_limits():
+    """Which tensors go to the fused kernel rather than NCCL: within the buffer and, where a group size has a row
+    cap (tp 4, where NCCL won from 64 rows at both Llama hidden sizes), within that too."""
+    from radixlm.srt.distributed.fused_all_reduce import MAX_ROWS, PER_PEER_BYTES, AllReduceNorm
+
+    def rows(t, n, dtype=torch.bfloat16):
+        return torch.empty(t, n, dtype=dtype)
+
+    peers = torch.zeros(4, dtype=torch.int64)
+    four = AllReduceNorm(0, 4, peers, PER_PEER_BYTES[4], 8, MAX_ROWS.get(4))
+    assert four.takes(rows(32, 8192)) and four.takes(rows(1, 4096)) and four.takes(rows(32, 4096))
+    assert not four.takes(rows(33, 4096)) and not four.takes(rows(64, 4096))  # the row cap, inside the buffer
+    assert not four.takes(rows(32, 16384))  # past the buffer
+    assert not four.takes(rows(4, 4096, torch.float32)) and not four.takes(rows(4, 8192)[:, ::2])  # dtype, stride
+    two = AllReduceNorm(0, 2, peers[:2], PER_PEER_BYTES[2], 8, MAX_ROWS.get(2))
+    assert two.takes(rows(256, 8192)) and not two.takes(rows(257, 8192))  # bytes only: 4 MiB
+
+
 _COMPILE = r"""
 import json, re, sys
 import triton
@@ -130,16 +146,16 @@ from triton.compiler import ASTSource
 from radixlm.kernels.allreduce_norm import _allreduce_rmsnorm_kernel as fn
 
 out = []
-for quant, split in ((False, False), (True, False), (False, True)):
+for quant in (False, True):
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv",
            "s_ptr": "*fp32", "peers_ptr": "*i64", "state_ptr": "*i64", "n_rows": "i32", "stride_x": "i32",
            "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32", "rank": "i32",
-           "rows_cap": "i32", "data_off": "i32", "chunk": "i32"}
-    const = dict(WORLD=2, QUANT=quant, SPLIT=split, USE_PDL=True, BLOCK=4096, GBLOCK=128)
+           "rows_cap": "i32", "data_off": "i32"}
+    const = dict(WORLD=2, QUANT=quant, USE_PDL=True, BLOCK=4096)
     sig.update({k: "constexpr" for k in const})
     # what a launch with 4096-wide rows tells the compiler: tensors and these integers divide by 16
     hints = [a for a, t in sig.items() if t.startswith("*")]
-    hints += ["stride_x", "stride_res", "stride_out", "n_cols", "rows_cap", "data_off", "chunk"]
+    hints += ["stride_x", "stride_res", "stride_out", "n_cols", "rows_cap", "data_off"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in hints}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs=attrs)
@@ -176,9 +192,7 @@ def test_compiles_for_hopper_with_system_scope_flags_and_vector_rows():
 # "flag at least this epoch" rules are what keep the answers right. Interpreter atomics are the host's.
 _SHM_WORLD, _SHM_PER_PEER, _SHM_GRID = 2, 16 * 64 * 2, 2
 _SHM_HOGS = 6
-# (rows, quant). One program per row only: a split push has every program wait for every peer program's flag,
-# which the interpreter, running one program after another, cannot do (GPUs run them at once; the rank-0 tests
-# above and tests/gpu/test_allreduce_norm_cuda.py cover it)
+# (rows, quant) of each call; a grid of two programs, so that some calls loop over rows
 _SHM_CALLS = [(1, False), (3, True), (5, False), (2, False), (4, True), (1, True), (5, False), (3, False)]
 
 
@@ -218,7 +232,7 @@ def _shm_rank(rank: int, names: list[str], n: int, out) -> None:
             if rank == 1 and rng.random() < 0.5:
                 time.sleep(rng.random() * 0.3)
             parts, residual, w = _shm_inputs(call, rows, n)
-            got = fused(parts[rank].clone(), residual.clone(), w, 1e-6, quant=quant, split=False)
+            got = fused(parts[rank].clone(), residual.clone(), w, 1e-6, quant=quant)
             results.append([t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in got])
         # as plain pickled bytes: a tensor through the queue would be shared memory this process frees on exit
         out.put(pickle.dumps((rank, results, fused.state.tolist())))
