@@ -57,6 +57,12 @@ STEP_TRACE = EnvVar(
     "a file (or a directory: one file per scheduler process) "
     "that gets one JSON line per scheduler step (srt/diagnostics/step_trace.py); off when empty",
 )
+TORCH_PROFILER_DIR = EnvVar(
+    "RADIXLM_TORCH_PROFILER_DIR",
+    "",
+    str,
+    "where POST /start_profile writes its trace and summary unless the request names output_dir (default /tmp)",
+)
 PDL = EnvVar(
     "RADIXLM_PDL",
     True,
@@ -88,6 +94,7 @@ GOMP_SPINCOUNT = EnvVar("GOMP_SPINCOUNT", "", str, "GNU OpenMP's spin count; whe
 ALL: tuple[EnvVar, ...] = (
     CACHE_DIR,
     STEP_TRACE,
+    TORCH_PROFILER_DIR,
     PDL,
     TRITON_INTERPRET,
     CC,

@@ -23,6 +23,7 @@ from radixlm.srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    ProfileRequest,
     request_error,
 )
 from radixlm.srt.entrypoints.openai.serving import (
@@ -264,6 +265,23 @@ def create_app(
                 400, "cache not flushed: requests are running or waiting", "invalid_request_error", "requests_in_flight"
             )
         return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/start_profile")
+    async def start_profile(request: Request):
+        body = await read_json(request, limit) if request.headers.get("content-length") not in (None, "0") else {}
+        req = parse(ProfileRequest, body)
+        resp = await tm.control("start_profile", args=req.model_dump())
+        if not resp.ok:
+            raise _HTTPError(400, resp.payload, "invalid_request_error", "profile_not_started")
+        return {"success": True, "message": "Profiling started.", **resp.payload}
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        # writing the trace of a long profile takes a while: more than the usual control answer's 10 s
+        resp = await tm.control("stop_profile", timeout=300)
+        if not resp.ok:
+            raise _HTTPError(400, resp.payload, "invalid_request_error", "profile_not_running")
+        return {"success": True, "message": "Profile written.", **resp.payload}
 
     @app.get("/metrics")
     async def prometheus():

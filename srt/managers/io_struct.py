@@ -3,7 +3,7 @@ wire (never pickle from a socket). One tagged union per direction."""
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -94,10 +94,12 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class ControlReq(msgspec.Struct, tag=True):
-    """flush_cache | get_stats | shutdown; answered with a ControlResp carrying the same id."""
+    """flush_cache | get_stats | shutdown | start_profile | stop_profile; answered with a ControlResp carrying
+    the same id. `args`: the request's arguments (start_profile's)."""
 
     id: int
     kind: str
+    args: Optional[dict] = None
 
 
 SchedulerIn = Union[GenerateReq, AbortReq, ControlReq]

@@ -303,13 +303,13 @@ class TokenizerManager:
         st.queue.put_nowait((st, st.final_output()))
 
     # --- control ---------------------------------------------------------------------------------------
-    async def control(self, kind: str, timeout: float = 10.0):
+    async def control(self, kind: str, timeout: float = 10.0, args: dict | None = None):
         if self.dead:
             raise ServiceUnavailable(f"the server cannot serve requests: {self.dead}")
         cid = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self._control_waiters[cid] = fut
-        self.to_scheduler.send(self._encoder.encode(ControlReq(cid, kind)))
+        self.to_scheduler.send(self._encoder.encode(ControlReq(cid, kind, args)))
         try:
             resp: ControlResp = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

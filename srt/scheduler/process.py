@@ -104,6 +104,7 @@ class SchedulerLoop:
 
             self.trace = StepTrace(trace_path(env.STEP_TRACE.get()))
             self.step = self.trace.wrap(scheduler)
+        self.profiler = None  # a torch.profiler run asked for over HTTP (srt/diagnostics/profiler.py)
         self.eos_ids = loaded.config.eos_token_ids
         self.parent_pid = parent_pid
         ctx = zmq.Context()
@@ -132,6 +133,8 @@ class SchedulerLoop:
                 outputs = self.step()
                 if outputs:
                     self.to_detok.send(self.encoder.encode(BatchTokenOutput(outputs)))
+                if self.profiler is not None:
+                    self.profiler.step()
 
     def _drain(self) -> None:
         while True:
@@ -189,6 +192,29 @@ class SchedulerLoop:
         elif msg.kind == "shutdown":
             self.running = False
             resp = ControlResp(msg.id, True)
+        elif msg.kind in ("start_profile", "stop_profile"):
+            resp = self._profile(msg)
         else:
             resp = ControlResp(msg.id, False, f"unknown control request {msg.kind!r}")
         self.to_tokenizer.send(self.encoder.encode(resp))
+
+    def _profile(self, msg: ControlReq) -> ControlResp:
+        """start_profile (args: output_dir, num_steps, activities, record_shapes) or stop_profile; a refusal
+        (already running, nothing to stop, an unusable directory or activity) is ok=False with the reason."""
+        from radixlm.srt.diagnostics.profiler import ProfileError, StepProfiler
+
+        if self.profiler is None:
+            self.profiler = StepProfiler()
+        try:
+            if msg.kind == "start_profile":
+                a = msg.args or {}
+                info = self.profiler.start(
+                    a.get("output_dir") or env.TORCH_PROFILER_DIR.get() or "/tmp",
+                    a.get("num_steps"),
+                    a.get("activities"),
+                    bool(a.get("record_shapes", False)),
+                )
+                return ControlResp(msg.id, True, info)
+            return ControlResp(msg.id, True, self.profiler.stop())
+        except ProfileError as e:
+            return ControlResp(msg.id, False, str(e))

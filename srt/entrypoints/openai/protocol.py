@@ -283,6 +283,17 @@ class AbortRequest(_Base):
     rid: str = Field(min_length=1)
 
 
+class ProfileRequest(_Base):
+    """POST /start_profile: a torch.profiler run of the scheduler's steps (srt/diagnostics/profiler.py) until
+    /stop_profile or `num_steps` steps; written under `output_dir` (default $RADIXLM_TORCH_PROFILER_DIR or /tmp).
+    `activities`: CPU and/or GPU (default: both where there is a GPU)."""
+
+    output_dir: Union[str, None] = Field(default=None, min_length=1)
+    num_steps: Union[int, None] = Field(default=None, ge=1)
+    activities: Union[list[str], None] = Field(default=None, min_length=1)
+    record_shapes: bool = False
+
+
 # --- validation errors, in the client's words ---------------------------------------------------------------
 def _path(loc) -> str:
     """pydantic's location as the client wrote it: ("messages", 0, "content") -> messages[0].content."""
