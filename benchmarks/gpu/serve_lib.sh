@@ -42,10 +42,21 @@ serve() {  # serve CONFIG QUANT TP NAME WORKLOADS... (each IN:OUT:PROMPTS[:USERS
     users=${users:-64}
     local tag=${name}_${il}_${ol}
     [ "$users" = 64 ] || tag=${tag}_c$users
+    # PROFILE_STEPS=N (radixlm): the workload's first N scheduler steps under torch.profiler (/start_profile); its
+    # kernel summary is kept as DEST/profile_TAG.summary.txt, the Chrome trace is dropped (raw traces stay out).
+    # The profiler slows those steps: the run's figures are then not for tables.
+    if [ -n "${PROFILE_STEPS:-}" ] && [ "${ENGINE:-radixlm}" = radixlm ]; then
+      curl -sf -X POST "$url/start_profile" -H 'Content-Type: application/json' \
+        -d "{\"output_dir\": \"/tmp/prof_$tag\", \"num_steps\": $PROFILE_STEPS}" > /dev/null || echo "profile not started"
+    fi
     timeout "$(cap ${SERVE_CAP:-400})" python benchmarks/bench_serving.py --base-url "$url" --label "$tag" \
       --dataset random --num-prompts "$np" --input-len "$il" --output-len "$ol" --range-ratio 1 \
       --max-concurrency "$users" --eos-token-id 128001 --out "$DEST/$tag.json" > /dev/null
     report "$DEST/$tag.json"
+    if [ -n "${PROFILE_STEPS:-}" ] && [ "${ENGINE:-radixlm}" = radixlm ]; then
+      curl -s -X POST "$url/stop_profile" > /dev/null  # written already after N steps: where it went
+      cp /tmp/prof_$tag/*.summary.txt "$DEST/profile_$tag.summary.txt" 2> /dev/null && head -30 "$DEST/profile_$tag.summary.txt"
+    fi
   done
   if [ -n "${PREFIX:-}" ]; then
     timeout "$(cap 300)" python benchmarks/bench_serving.py --base-url "$url" --label "${name}_prefix" \
