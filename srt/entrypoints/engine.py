@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from radixlm.srt import env
 from radixlm.srt.distributed.ranks import start_ranks
 from radixlm.srt.errors import InvalidRequest
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
@@ -47,6 +48,7 @@ class Engine:
         self._ids = itertools.count()
         self._state: dict[str, dict] = {}  # per unfinished request: output ids, logprobs, start time
         self._undelivered: list[dict] = []
+        self._profiler = None  # start_profile's torch.profiler run (srt/diagnostics/profiler.py)
 
     # --- generation ----------------------------------------------------------------------------------------
     def generate(
@@ -154,6 +156,8 @@ class Engine:
 
     def _step_once(self) -> list[dict]:
         outputs = self.scheduler.step()
+        if self._profiler is not None:
+            self._profiler.step()
         if not outputs and self._state and not self.scheduler.has_work():
             raise RuntimeError("scheduler went idle with requests pending")
         updates = []
@@ -216,6 +220,27 @@ class Engine:
 
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
+
+    def start_profile(
+        self, output_dir: str | None = None, num_steps: int | None = None, activities=None, record_shapes=False
+    ) -> dict:
+        """A torch.profiler run of the steps that follow, as the server's POST /start_profile: until
+        stop_profile() or `num_steps` steps; ValueError (ProfileError) if one runs already or an argument is
+        unusable."""
+        from radixlm.srt.diagnostics.profiler import StepProfiler
+
+        if self._profiler is None:
+            self._profiler = StepProfiler()
+        out = output_dir or env.TORCH_PROFILER_DIR.get() or "/tmp"
+        return self._profiler.start(out, num_steps, activities, record_shapes)
+
+    def stop_profile(self) -> dict:
+        """Ends the profile and writes it: {"trace", "summary", "steps", "seconds"} (ProfileError if none ran)."""
+        from radixlm.srt.diagnostics.profiler import ProfileError
+
+        if self._profiler is None:
+            raise ProfileError("no profile is running: start_profile() first")
+        return self._profiler.stop()
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker ranks, if any (with one rank nothing runs in the background)."""

@@ -95,3 +95,20 @@ def test_bad_profile_requests_are_refused_and_start_nothing(server, tmp_path):
         assert word in err["message"] + str(err.get("param")), (body, err)
     _error(httpx.post(f"{url}/stop_profile", timeout=30))  # none of them started a profile
     assert _chat(server)
+
+
+def test_engine_profiles_the_steps_it_runs(smol_engine, tmp_path):
+    """The in-process Engine's start_profile / stop_profile, as the endpoints."""
+    from radixlm.srt.diagnostics.profiler import ProfileError
+
+    with pytest.raises(ProfileError, match="no profile is running"):
+        smol_engine.stop_profile()
+    smol_engine.start_profile(output_dir=str(tmp_path), num_steps=3)
+    try:
+        with pytest.raises(ProfileError, match="already running"):
+            smol_engine.start_profile(output_dir=str(tmp_path))
+        smol_engine.generate("The capital of France is", {"max_new_tokens": 6, "temperature": 0})
+    finally:
+        info = smol_engine.stop_profile()
+    assert info["steps"] == 3
+    _check_files(info)
