@@ -54,8 +54,9 @@ def error_response(err: RadixLMError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status)
 
 
-async def read_json(request: Request, limit: int):
-    """The body as JSON: 413 past `limit` bytes, 400 for bytes that are not UTF-8, 422 for broken JSON."""
+async def read_json(request: Request, limit: int, empty=None):
+    """The body as JSON: 413 past `limit` bytes, 400 for bytes that are not UTF-8, 422 for broken JSON; an empty
+    body is `empty` where that is given (a POST whose arguments are all optional), else broken JSON."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _HTTPError(
@@ -73,6 +74,8 @@ async def read_json(request: Request, limit: int):
             )
         chunks.append(chunk)
     body = b"".join(chunks)
+    if not body.strip() and empty is not None:
+        return empty
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -268,9 +271,9 @@ def create_app(
 
     @app.post("/start_profile")
     async def start_profile(request: Request):
-        body = await read_json(request, limit) if request.headers.get("content-length") not in (None, "0") else {}
-        req = parse(ProfileRequest, body)
-        resp = await tm.control("start_profile", args=req.model_dump())
+        req = parse(ProfileRequest, await read_json(request, limit, empty={}))
+        # the first start on a GPU sets up the profiler's CUDA tracing, which can take longer than a usual answer
+        resp = await tm.control("start_profile", timeout=120, args=req.model_dump())
         if not resp.ok:
             raise _HTTPError(400, resp.payload, "invalid_request_error", "profile_not_started")
         return {"success": True, "message": "Profiling started.", **resp.payload}

@@ -218,3 +218,6 @@ class SchedulerLoop:
             return ControlResp(msg.id, True, self.profiler.stop())
         except ProfileError as e:
             return ControlResp(msg.id, False, str(e))
+        except Exception as e:  # noqa: BLE001 - a profiler fault answers the request; it never ends the loop
+            logger.exception("%s failed", msg.kind)
+            return ControlResp(msg.id, False, f"{msg.kind} failed: {type(e).__name__}: {e}")

@@ -95,7 +95,7 @@ def _check(rank: int, world: int, init: str) -> None:
     shapes = random.Random(5)  # the same calls on every rank
     fits = [r for r in (1, 3, 32, 96) if fused.takes(torch.empty(r, 4096, dtype=torch.bfloat16))]  # tp 4: to 32
     plan = [(shapes.choice(fits), shapes.random() < 0.3) for _ in range(120)]
-    calls = [local_inputs(rows, 4096, 5000 + i) for i, (rows, _, _) in enumerate(plan)]
+    calls = [local_inputs(rows, 4096, 5000 + i) for i, (rows, _) in enumerate(plan)]
     torch.cuda.synchronize()
     dist.barrier(group=tp.group)
     delays = random.Random(100 + rank)

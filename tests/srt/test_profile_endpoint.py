@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import shutil
 
 import httpx
 import openai
@@ -112,3 +114,30 @@ def test_engine_profiles_the_steps_it_runs(smol_engine, tmp_path):
         info = smol_engine.stop_profile()
     assert info["steps"] == 3
     _check_files(info)
+
+
+def test_empty_and_chunked_bodies_are_read_and_a_failed_write_is_reported(server, tmp_path):
+    url = server.url
+    # no body at all: every argument defaults (output_dir from RADIXLM_TORCH_PROFILER_DIR, else /tmp)
+    r = httpx.post(f"{url}/start_profile", timeout=30)
+    assert r.status_code == 200, r.text
+    info = httpx.post(f"{url}/stop_profile", timeout=300).json()
+    for key in ("trace", "summary"):
+        os.remove(info[key])
+
+    # a chunked body (no content-length) is read and checked like any other: never taken for an empty one
+    def chunks():
+        yield b'{"num_steps": 0, '
+        yield b'"with_stack": true}'
+
+    _error(httpx.post(f"{url}/start_profile", content=chunks(), timeout=30))
+    _error(httpx.post(f"{url}/stop_profile", timeout=30))  # nothing started
+
+    # a profile that ends itself and cannot be written: the stop says why, the server goes on
+    out = tmp_path / "gone"
+    r = httpx.post(f"{url}/start_profile", json={"output_dir": str(out), "num_steps": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+    shutil.rmtree(out)
+    answer = _chat(server)
+    assert "could not be written" in _error(httpx.post(f"{url}/stop_profile", timeout=60))["message"]
+    assert _chat(server) == answer
