@@ -1,6 +1,7 @@
 """A torch.profiler run in the scheduler process, started and stopped over HTTP (`POST /start_profile` and
 `/stop_profile`, as SGLang names them): the steps that run in between are recorded, then written out as a
-Chrome trace (open it in Perfetto or chrome://tracing) and a table of the operators and kernels by total time.
+Chrome trace (open it in Perfetto or chrome://tracing) and a table of the operators and kernels by their own
+time.
 Rank 0 is profiled (it schedules and runs its share of every step); the other tensor-parallel ranks are not.
 
 Imported only when a profile is asked for; the step loop then calls `step()` once a step, which costs nothing
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from radixlm.srt import env
+
 logger = logging.getLogger(__name__)
 
 ACTIVITIES = ("CPU", "GPU", "CUDA")  # GPU and CUDA are the same thing: kernels on the device
@@ -31,18 +34,18 @@ class StepProfiler:
     def __init__(self, rank: int = 0):
         self.rank = rank
         self._prof: torch.profiler.profile | None = None
-        self._steps_left: int | None = None
+        self._num_steps: int | None = None  # the running profile ends itself after this many steps
         self._out: Path | None = None
         self._started = 0.0
         self._steps = 0  # steps recorded by the running profile
         # a profile that stopped itself after num_steps: where it went, or why it could not be written
         self._unreported: dict | ProfileError | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._prof is not None
-
-    def start(self, output_dir: str, num_steps: int | None, activities: list[str] | None, record_shapes: bool) -> dict:
+    def start(
+        self, output_dir: str | None, num_steps: int | None, activities: list[str] | None, record_shapes: bool
+    ) -> dict:
+        """`output_dir` None: RADIXLM_TORCH_PROFILER_DIR, else /tmp."""
+        output_dir = output_dir or env.TORCH_PROFILER_DIR.get() or "/tmp"
         if self._prof is not None:
             raise ProfileError("a profile is already running: POST /stop_profile first")
         acts = _activities(activities)
@@ -58,7 +61,7 @@ class StepProfiler:
             prof.start()
         except Exception as e:  # noqa: BLE001 - e.g. CUPTI refusing: the caller's error, never the loop's
             raise ProfileError(f"the profiler did not start: {type(e).__name__}: {e}") from None
-        self._prof, self._steps_left, self._out, self._started = prof, num_steps, out, time.time()
+        self._prof, self._num_steps, self._out, self._started = prof, num_steps, out, time.time()
         self._steps = 0
         self._unreported = None
         return {"output_dir": str(out), "num_steps": num_steps, "activities": [a.name for a in acts]}
@@ -68,10 +71,7 @@ class StepProfiler:
         if self._prof is None:
             return
         self._steps += 1
-        if self._steps_left is None:
-            return
-        self._steps_left -= 1
-        if self._steps_left <= 0:
+        if self._num_steps is not None and self._steps >= self._num_steps:
             try:
                 self._unreported = self._write()
             except ProfileError as e:  # kept for /stop_profile to report; the scheduler goes on
@@ -91,7 +91,7 @@ class StepProfiler:
 
     def _write(self) -> dict:
         prof, out = self._prof, self._out
-        self._prof = self._steps_left = self._out = None
+        self._prof = self._num_steps = self._out = None
         # the start to the millisecond and the process: two profiles (or two replicas) never share a name
         started = time.strftime("%Y%m%d-%H%M%S", time.localtime(self._started))
         stem = f"radixlm-{started}-{int(self._started * 1000) % 1000:03d}-pid{os.getpid()}-rank{self.rank}"

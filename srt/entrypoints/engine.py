@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import torch
 
-from radixlm.srt import env
 from radixlm.srt.distributed.ranks import start_ranks
 from radixlm.srt.errors import InvalidRequest
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
@@ -231,8 +230,7 @@ class Engine:
 
         if self._profiler is None:
             self._profiler = StepProfiler()
-        out = output_dir or env.TORCH_PROFILER_DIR.get() or "/tmp"
-        return self._profiler.start(out, num_steps, activities, record_shapes)
+        return self._profiler.start(output_dir, num_steps, activities, record_shapes)
 
     def stop_profile(self) -> dict:
         """Ends the profile and writes it: {"trace", "summary", "steps", "seconds"} (ProfileError if none ran)."""

@@ -209,7 +209,7 @@ class SchedulerLoop:
             if msg.kind == "start_profile":
                 a = msg.args or {}
                 info = self.profiler.start(
-                    a.get("output_dir") or env.TORCH_PROFILER_DIR.get() or "/tmp",
+                    a.get("output_dir"),
                     a.get("num_steps"),
                     a.get("activities"),
                     bool(a.get("record_shapes", False)),
