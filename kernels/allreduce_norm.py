@@ -11,6 +11,15 @@ dtype. A call:
 3. sums the rows in rank order in float32 (its own from x, the peers' from its own data region), so that every
    rank computes the same bits, then adds the residual and normalizes as the norm kernel does.
 
+With `two_shot` (groups of four and more, where one rank pushing every row to every peer moves world - 1 copies
+of the tensor) each program's rows have an owner, rank `pid % world`: the other ranks push their rows to the
+owner only (step 1 to the owner), the owner waits for them and sums in rank order, then pushes the rounded sum to
+every peer's slot for its own rank and raises their flags; the others wait for the owner's flag and take the sum
+from there. A rank then moves 2 (world - 1) / world copies in two flag rounds instead of world - 1 in one, and
+every rank still adds the same rounded sum to the same residual. A flag slot is written once a call in either
+scheme (a peer's slot at the owner in the first round, the owner's slot at a peer in the second), so calls of both
+schemes can follow each other.
+
 Calls are counted on the device (`state`: [epoch, programs done]; the last program of a call advances the
 epoch), so the kernel replays in CUDA graphs. Two parities are enough: a peer can be at most one call ahead,
 since it cannot finish a call before this rank has pushed to it. Flags only grow, so a flag already past this
@@ -58,6 +67,49 @@ def allreduce_rmsnorm_ref(
 
 # --- Triton --------------------------------------------------------------------------------------------------
 @triton.jit
+def _ptr(peers_ptr, r, ty):
+    return tl.load(peers_ptr + r).to(tl.pointer_type(ty))
+
+
+@triton.jit
+def _raise(peers_ptr, r, slot, epoch):
+    """Raise flag `slot` in rank r's buffer to `epoch`: a release store at system scope (after a block barrier,
+    so that every thread's pushes before it are released with it)."""
+    tl.atomic_xchg(_ptr(peers_ptr, r, tl.int64) + slot, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait(flags, slot, epoch):
+    while tl.atomic_add(flags + slot, 0, sem="acquire", scope="sys") < epoch:
+        pass
+
+
+@triton.jit
+def _rank_sum(x_ptr, own_data, row, stride_x, slot0, rank, rows_cap, n_cols, cols, mask, WORLD: tl.constexpr):
+    """Every rank's partial row in rank order, summed in float32 and rounded to the activation dtype once: this
+    rank's from x, the peers' from this rank's data region (`slot0`: the parity's first slot)."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == rank:
+            v = tl.load(x_ptr + tl.cast(row, tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        else:
+            src = own_data + ((slot0 + r) * rows_cap + row) * n_cols
+            v = tl.load(src + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        acc += v.to(tl.float32)
+    return acc.to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _add_norm(s, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, row64, stride_res, stride_out, cols, mask, n_cols, eps,
+              QUANT: tl.constexpr):  # fmt: skip
+    """The residual add and the norm of a summed row, as the norm kernel rounds them."""
+    res = tl.load(res_ptr + row64 * stride_res + cols, mask=mask, other=0.0)
+    h = (s.to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+    tl.store(res_ptr + row64 * stride_res + cols, h, mask=mask)
+    norm_row_store(h, w_ptr, out_ptr, q_ptr, s_ptr, row64, stride_out, cols, mask, n_cols, eps, QUANT)
+
+
+@triton.jit
 def _allreduce_rmsnorm_kernel(
     x_ptr,
     res_ptr,
@@ -78,6 +130,7 @@ def _allreduce_rmsnorm_kernel(
     data_off,
     WORLD: tl.constexpr,
     QUANT: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
     USE_PDL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -91,47 +144,79 @@ def _allreduce_rmsnorm_kernel(
     dtype = x_ptr.dtype.element_ty
     epoch = tl.load(state_ptr, volatile=True)
     parity = epoch % 2
-    own_flags = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int64))
-    # the buffers' addresses come from memory: say they are 16-byte aligned so that rows move in vectors
+    slot0 = parity * WORLD  # this call's slots: [parity, source rank, row]
+    own_flags = _ptr(peers_ptr, rank, tl.int64)
+    # the buffers' addresses come from memory: say they are 16-byte aligned so that rows move in vectors (the
+    # hint does not survive a helper function's return, hence written out at each use)
     own_data = tl.multiple_of(tl.load(peers_ptr + rank).to(tl.pointer_type(dtype)), 16) + data_off
+    flag = pid * WORLD  # this program's flags, one per source rank
 
-    # 1. this program's rows into every peer's slot for them
-    for row in range(pid, n_rows, grid):
-        x = tl.load(x_ptr + tl.cast(row, tl.int64) * stride_x + cols, mask=mask, other=0.0)
-        slot = ((parity * WORLD + rank) * rows_cap + row) * n_cols
+    if TWO_SHOT:
+        owner = pid % WORLD
+        if rank != owner:
+            # 1. this program's rows to the owner only; 2. the owner's sum back
+            dst = tl.multiple_of(tl.load(peers_ptr + owner).to(tl.pointer_type(dtype)), 16) + data_off
+            for row in range(pid, n_rows, grid):
+                row64 = tl.cast(row, tl.int64)
+                x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0)
+                tl.store(dst + ((slot0 + rank) * rows_cap + row) * n_cols + cols, x, mask=mask)
+            tl.debug_barrier()
+            _raise(peers_ptr, owner, flag + rank, epoch)
+            _wait(own_flags, flag + owner, epoch)
+            tl.debug_barrier()
+            for row in range(pid, n_rows, grid):
+                row64 = tl.cast(row, tl.int64)
+                src = own_data + ((slot0 + owner) * rows_cap + row) * n_cols
+                s = tl.load(src + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                _add_norm(s, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, row64, stride_res, stride_out, cols, mask,
+                          n_cols, eps, QUANT)  # fmt: skip
+        else:
+            # 1. every peer's rows for this program; 2. their sum to every peer (kept in x for the norm below)
+            for r in tl.static_range(WORLD):
+                if r != rank:
+                    _wait(own_flags, flag + r, epoch)
+            tl.debug_barrier()
+            for row in range(pid, n_rows, grid):
+                row64 = tl.cast(row, tl.int64)
+                s = _rank_sum(x_ptr, own_data, row, stride_x, slot0, rank, rows_cap, n_cols, cols, mask, WORLD)
+                for r in tl.static_range(WORLD):
+                    if r != rank:
+                        dst = tl.multiple_of(tl.load(peers_ptr + r).to(tl.pointer_type(dtype)), 16) + data_off
+                        tl.store(dst + ((slot0 + rank) * rows_cap + row) * n_cols + cols, s, mask=mask)
+                tl.store(x_ptr + row64 * stride_x + cols, s, mask=mask)
+            tl.debug_barrier()
+            for r in tl.static_range(WORLD):
+                if r != rank:
+                    _raise(peers_ptr, r, flag + rank, epoch)
+            for row in range(pid, n_rows, grid):
+                row64 = tl.cast(row, tl.int64)
+                s = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0)
+                _add_norm(s, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, row64, stride_res, stride_out, cols, mask,
+                          n_cols, eps, QUANT)  # fmt: skip
+    else:
+        # 1. this program's rows into every peer's slot for them
+        for row in range(pid, n_rows, grid):
+            row64 = tl.cast(row, tl.int64)
+            x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0)
+            for r in tl.static_range(WORLD):
+                if r != rank:
+                    dst = tl.multiple_of(tl.load(peers_ptr + r).to(tl.pointer_type(dtype)), 16) + data_off
+                    tl.store(dst + ((slot0 + rank) * rows_cap + row) * n_cols + cols, x, mask=mask)
+        tl.debug_barrier()
         for r in tl.static_range(WORLD):
             if r != rank:
-                peer = tl.multiple_of(tl.load(peers_ptr + r).to(tl.pointer_type(dtype)), 16) + data_off
-                tl.store(peer + slot + cols, x, mask=mask)
-    tl.debug_barrier()  # every thread's stores issued before the flag that releases them
-    for r in tl.static_range(WORLD):
-        if r != rank:
-            peer_flags = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
-
-    # 2. every peer's rows for this program have arrived (from the peer's program of the same index)
-    for r in tl.static_range(WORLD):
-        if r != rank:
-            while tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys") < epoch:
-                pass
-    tl.debug_barrier()
-
-    # 3. the sum in rank order, the residual add and the norm
-    for row in range(pid, n_rows, grid):
-        row64 = tl.cast(row, tl.int64)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+                _raise(peers_ptr, r, flag + rank, epoch)
+        # 2. every peer's rows for this program have arrived (from the peer's program of the same index)
         for r in tl.static_range(WORLD):
-            if r == rank:
-                v = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0)
-            else:
-                src = own_data + ((parity * WORLD + r) * rows_cap + row) * n_cols
-                v = tl.load(src + cols, mask=mask, other=0.0, cache_modifier=".cg")
-            acc += v.to(tl.float32)
-        res = tl.load(res_ptr + row64 * stride_res + cols, mask=mask, other=0.0)
-        # as the norm kernel: the sum rounded to the activation dtype, the residual add rounded again
-        h = (acc.to(dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
-        tl.store(res_ptr + row64 * stride_res + cols, h, mask=mask)
-        norm_row_store(h, w_ptr, out_ptr, q_ptr, s_ptr, row64, stride_out, cols, mask, n_cols, eps, QUANT)
+            if r != rank:
+                _wait(own_flags, flag + r, epoch)
+        tl.debug_barrier()
+        # 3. the sum in rank order, the residual add and the norm
+        for row in range(pid, n_rows, grid):
+            row64 = tl.cast(row, tl.int64)
+            s = _rank_sum(x_ptr, own_data, row, stride_x, slot0, rank, rows_cap, n_cols, cols, mask, WORLD)
+            _add_norm(s, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, row64, stride_res, stride_out, cols, mask, n_cols,
+                      eps, QUANT)  # fmt: skip
 
     # the call's last program advances the epoch for the next call (kernel order makes it visible there)
     done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
@@ -152,11 +237,14 @@ def allreduce_rmsnorm(
     per_peer_bytes: int,
     grid_max: int = GRID_MAX,
     quant: bool = False,
+    two_shot: bool = False,
 ):
-    """x [T, N]: this rank's partial sums (unit stride along N; overwritten with the normed rows unless
-    `quant`); residual [T, N] updated in place. Returns (normed rows, residual), or (e4m3 rows, float32 scales
-    [T, 1], residual) with `quant`. Every rank of the group must make the same call, and
-    T * N * itemsize <= per_peer_bytes. One program per row, at most `grid_max` (programs loop over rows)."""
+    """x [T, N]: this rank's partial sums (unit stride along N; overwritten: with the normed rows unless
+    `quant`, with the sums where this rank owns them under `two_shot`); residual [T, N] updated in place.
+    Returns (normed rows, residual), or (e4m3 rows, float32 scales [T, 1], residual) with `quant`. Every rank of
+    the group must make the same call, and T * N * itemsize <= per_peer_bytes. One program per row, at most
+    `grid_max` (programs loop over rows). `two_shot`: each program's rows reduced by one owner rank and sent
+    back (the module's docstring); every rank of the group must pass the same."""
     t, n = x.shape
     rows_cap = per_peer_bytes // (n * x.element_size())
     if not 0 < t <= rows_cap:
@@ -189,6 +277,7 @@ def allreduce_rmsnorm(
         flag_bytes(world, grid_max) // x.element_size(),
         WORLD=world,
         QUANT=quant,
+        TWO_SHOT=two_shot,
         BLOCK=block,
         num_warps=warps,
         **pdl_args(x.device),

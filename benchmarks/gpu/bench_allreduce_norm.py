@@ -1,6 +1,7 @@
 """Time the all-reduce + residual add + RMSNorm of a decode step, per call: NCCL's all-reduce followed by our norm
 kernel (what radixlm ran before, and runs with --disable-custom-all-reduce) against the fused kernel over
-symmetric memory (srt/distributed/fused_all_reduce.py), each as 64 calls in one CUDA graph, at decode row
+symmetric memory (srt/distributed/fused_all_reduce.py; from four ranks on in both its schemes, one-shot and
+two-shot), each as 64 calls in one CUDA graph, at decode row
 counts and the Llama hidden sizes (8B: 4096, 70B: 8192), bf16 rows and e4m3 rows (an FP8 projection next).
 
 Usage (a host with at least WORLD GPUs): python benchmarks/gpu/bench_allreduce_norm.py --world 2 --out F.json
@@ -59,8 +60,11 @@ def _worker(rank: int, world: int, init: str, args, out_q) -> None:
                     return rmsnorm_fp8(x, res, w, 1e-5) if quant else fused_add_rmsnorm_(x, res, w, 1e-5)
 
                 row[f"nccl_norm_{tag}_us"] = per_call_us(nccl)
-                if fused is not None and fused.takes(x):
-                    row[f"fused_{tag}_us"] = per_call_us(lambda q=quant: fused(x, res, w, 1e-5, quant=q))
+                if fused is not None and fused.takes(x):  # both schemes from four ranks on (one-shot below)
+                    for two, key in ((False, "fused"), (True, "two_shot")) if world >= 4 else ((False, "fused"),):
+                        row[f"{key}_{tag}_us"] = per_call_us(
+                            lambda q=quant, t=two: fused(x, res, w, 1e-5, quant=q, two_shot=t)
+                        )
             rows_out.append(row)
     if rank == 0:
         out_q.put(rows_out)
@@ -90,13 +94,13 @@ def main() -> None:
     rows = q.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
-    head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>9} {'fused':>7} |"
-    print(head + f" {'NCCL+norm':>9} {'fused':>7}  (us/call; bf16 rows | e4m3 rows)")
+    head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>9} {'fused':>7} {'2-shot':>7} |"
+    print(head + f" {'NCCL+norm':>9} {'fused':>7} {'2-shot':>7}  (us/call; bf16 rows | e4m3 rows; fused: one-shot)")
     for r in rows:
         f = lambda k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
         print(
-            f"{r['hidden']:>6} {r['rows']:>5} | {f('nccl_norm_bf16_us'):>9} {f('fused_bf16_us'):>7} | "
-            f"{f('nccl_norm_fp8_us'):>9} {f('fused_fp8_us'):>7}"
+            f"{r['hidden']:>6} {r['rows']:>5} | {f('nccl_norm_bf16_us'):>9} {f('fused_bf16_us'):>7} "
+            f"{f('two_shot_bf16_us'):>7} | {f('nccl_norm_fp8_us'):>9} {f('fused_fp8_us'):>7} {f('two_shot_fp8_us'):>7}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "calls_per_graph": CALLS,

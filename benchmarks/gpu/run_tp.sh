@@ -9,7 +9,9 @@
 #             norms: the fused all-reduce + norm's A/B), files *_nccl_tp*.json
 #   arbench   the fused all-reduce + norm kernel against NCCL + the norm kernel, per call, at each tp > 1
 #   profile70 bench_decode on the 70B shape in fp8 at each tp > 1, batch 64 at context 1,500 (the serve70 runs'
-#             steady state): step time and a kernel-time table (attention, GEMMs, NCCL) per rank-0 step
+#             steady state): step time and a kernel-time table (attention, GEMMs, NCCL) per rank-0 step; KVTP
+#             fp8_e4m3 profiles the serve70 runs' KV pool (files *_kv8_*; default: the model's bf16); DEXTRA
+#             with --disable-custom-all-reduce: NCCL and the norm kernels (files *_nccl_*)
 #   serve70   radixlm serve on the 70B shape in fp8 at each tp > 1: 64 users, 512 in / 256 out then
 #             1,000 in / 1,000 out, random words (about a token each with the full-vocabulary tokenizer); the KV
 #             pool in KVTP (default fp8_e4m3, as the one-GPU runs; auto: the model's bf16, the files without _kv8)
@@ -94,12 +96,15 @@ fi
 if stage profile70; then
   for tp in $TPS; do
     [ "$tp" -gt 1 ] || continue
-    echo "== profile 70b fp8 tp $tp ($(left) s left)"
+    kv=${KVTP:-auto}; tag=""; [ "$kv" = fp8_e4m3 ] && tag=_kv8
+    [[ "${DEXTRA:-}" == *--disable-custom-all-reduce* ]] && tag=${tag}_nccl
+    echo "== profile 70b fp8 kv $kv ${DEXTRA:-} tp $tp ($(left) s left)"
     timeout "$(cap 300)" python benchmarks/bench_decode.py --model-path benchmarks/configs/llama-3.1-70b \
       --load-format dummy --tokenizer-path "$TOK" --attention-backend triton --quantization fp8 --fp8-lm-head \
-      --batch-sizes 1 64 --context 1500 --extend-cuda-graph off --tp-size "$tp" --profile "$DEST/profile70_tp$tp.txt" \
-      --out "$DEST/profile70_tp$tp.json" 2>&1 | grep -v -i warn | grep -v "skinny matmul:" | tail -4
-    grep -A14 "^timeline" "$DEST/profile70_tp$tp.txt"
+      --kv-cache-dtype "$kv" --batch-sizes ${PBS:-1 64} --context 1500 --extend-cuda-graph off --tp-size "$tp" ${DEXTRA:-} \
+      --profile "$DEST/profile70${tag}_tp$tp.txt" --out "$DEST/profile70${tag}_tp$tp.json" 2>&1 | grep -v -i warn |
+      grep -v "skinny matmul:" | tail -4
+    grep -A14 "^timeline" "$DEST/profile70${tag}_tp$tp.txt"
   done
 fi
 if stage prefix; then

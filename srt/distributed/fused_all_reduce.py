@@ -24,8 +24,11 @@ logger = logging.getLogger(__name__)
 # led at every decode batch measured (4 MiB: a 70B batch of 256 rows). At tp 4 it led up to 32 rows and lost
 # from 64 at both Llama hidden sizes (4096 and 8192), so there the rows are capped too (MAX_ROWS). No entry (NCCL
 # for everything) where no measurement was made: 8 GPUs.
-PER_PEER_BYTES = {2: 4 << 20, 4: 512 << 10}
-MAX_ROWS = {4: 32}
+# From TWO_SHOT_FROM rows on, a group of four reduces each row on one owner rank and sends the sum back
+# (kernels/allreduce_norm.py): half the bytes of pushing every row to every peer, for a second flag round.
+PER_PEER_BYTES = {2: 4 << 20, 4: 1 << 20}
+MAX_ROWS = {4: 64}
+TWO_SHOT_FROM = {4: 17}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # Group names this process has mapped symmetric memory for. torch keeps what a rendezvous learned about a group
@@ -42,11 +45,13 @@ class AllReduceNorm:
     the same calls in the same order."""
 
     def __init__(
-        self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int, max_rows=None, keep=()
-    ):
+        self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int, max_rows=None, keep=(),
+        two_shot_from: int | None = None,
+    ):  # fmt: skip
         self.rank, self.world, self.peers = rank, world, peers
         self.per_peer_bytes, self.grid_max = per_peer_bytes, grid_max
         self.max_rows = max_rows or 1 << 62
+        self.two_shot_from = two_shot_from or 1 << 62
         self.state = torch.tensor([1, 0], dtype=torch.int64, device=peers.device)  # [epoch, programs done]
         self._keep = keep
 
@@ -59,12 +64,15 @@ class AllReduceNorm:
             and x.shape[0] * x.shape[1] * x.element_size() <= self.per_peer_bytes
         )
 
-    def __call__(self, x, residual, weight, eps, quant: bool = False):
+    def __call__(self, x, residual, weight, eps, quant: bool = False, two_shot: bool | None = None):
         """(rmsnorm(sum over ranks of x + residual), residual) with x overwritten, or (e4m3 rows, scales,
-        residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm)."""
+        residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm).
+        `two_shot`: the scheme (default: two-shot from `two_shot_from` rows on)."""
+        if two_shot is None:
+            two_shot = x.shape[0] >= self.two_shot_from
         return allreduce_rmsnorm(
             x, residual, weight, eps, self.peers, self.state, self.rank, self.world, self.per_peer_bytes,
-            self.grid_max, quant,
+            self.grid_max, quant, two_shot,
         )  # fmt: skip
 
 
@@ -111,7 +119,16 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
         if ptrs[tp.rank] != buf.data_ptr():  # the kernel addresses its own buffer through `peers` too
             raise RuntimeError(f"rank {tp.rank}'s mapped buffer is at {ptrs[tp.rank]:#x}, not {buf.data_ptr():#x}")
         peers = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        fused = AllReduceNorm(tp.rank, tp.size, peers, per_peer, grid_max, MAX_ROWS.get(tp.size), keep=(buf, handle))
+        fused = AllReduceNorm(
+            tp.rank,
+            tp.size,
+            peers,
+            per_peer,
+            grid_max,
+            MAX_ROWS.get(tp.size),
+            (buf, handle),
+            TWO_SHOT_FROM.get(tp.size),
+        )
         dist.barrier(group=tp.group)  # every peer's flags are zero before anyone pushes
         ok, why = _probe(fused, tp, device)
     except Exception as e:  # noqa: BLE001
@@ -127,14 +144,14 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
 
 
 def _probe(fused: AllReduceNorm, tp, device) -> tuple[bool, str]:
-    """Two calls (both parities) whose sums are known: rank r contributes r + 1 to every element, so the
-    residual stream becomes residual + world * (world + 1) / 2 on every rank."""
+    """Two calls (both parities) of each scheme the group uses, whose sums are known: rank r contributes r + 1
+    to every element, so the residual stream becomes residual + world * (world + 1) / 2 on every rank."""
     n = 1024
     w = torch.ones(n, dtype=torch.bfloat16, device=device)
-    for _ in range(2):
+    for two_shot in (False, False, True, True) if fused.two_shot_from < 1 << 62 else (False, False):
         x = torch.full((4, n), float(tp.rank + 1), dtype=torch.bfloat16, device=device)
         residual = torch.ones(4, n, dtype=torch.bfloat16, device=device)
-        _, residual = fused(x, residual, w, 1e-6)
+        _, residual = fused(x, residual, w, 1e-6, two_shot=two_shot)
         want = 1 + tp.size * (tp.size + 1) / 2
         if not bool((residual == want).all().item()):
             return False, f"the probe's sum was {residual.flatten()[0].item()}, expected {want}"

@@ -6,6 +6,7 @@ eager calls of every row count the decode buckets use, FP8 rows, and CUDA graphs
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -61,11 +62,11 @@ def _check(rank: int, world: int, init: str) -> None:
         for rows in (1, 2, 7, 16, 32, 64, 96, 160, 256):
             if not fused.takes(torch.empty(rows, n, dtype=torch.bfloat16)):
                 continue
-            for quant in (False, True):
+            for quant, two_shot in itertools.product((False, True), (False, True) if world >= 4 else (False,)):
                 seed += 1
                 x, residual, w, parts = inputs(rows, n, seed)
                 want = allreduce_rmsnorm_ref(parts, residual.clone(), w, 1e-5, quant=quant)
-                got = fused(x, residual, w, 1e-5, quant=quant)
+                got = fused(x, residual, w, 1e-5, quant=quant, two_shot=two_shot)
                 torch.cuda.synchronize()
                 assert torch.equal(got[-1], want[-1]), f"residual stream differs at {rows} x {n}"
                 if quant:
@@ -93,7 +94,8 @@ def _check(rank: int, world: int, init: str) -> None:
         return parts, residual, w
 
     shapes = random.Random(5)  # the same calls on every rank
-    fits = [r for r in (1, 3, 32, 96) if fused.takes(torch.empty(r, 4096, dtype=torch.bfloat16))]  # tp 4: to 32
+    # tp 4: one-shot and two-shot calls mixed (two-shot from fused.two_shot_from rows)
+    fits = [r for r in (1, 3, 17, 32, 64, 96) if fused.takes(torch.empty(r, 4096, dtype=torch.bfloat16))]
     plan = [(shapes.choice(fits), shapes.random() < 0.3) for _ in range(120)]
     calls = [local_inputs(rows, 4096, 5000 + i) for i, (rows, _) in enumerate(plan)]
     torch.cuda.synchronize()

@@ -122,20 +122,24 @@ def test_rows_past_the_buffer_are_refused():
 
 def test_the_runtime_takes_rows_up_to_its_byte_and_row_limits():
     """Which tensors go to the fused kernel rather than NCCL: within the buffer and, where a group size has a row
-    cap (tp 4, where NCCL won from 64 rows at both Llama hidden sizes), within that too."""
-    from radixlm.srt.distributed.fused_all_reduce import MAX_ROWS, PER_PEER_BYTES, AllReduceNorm
+    cap (tp 4), within that too; and from which row count a group of four reduces two-shot."""
+    from radixlm.srt.distributed.fused_all_reduce import MAX_ROWS, PER_PEER_BYTES, TWO_SHOT_FROM, AllReduceNorm
 
     def rows(t, n, dtype=torch.bfloat16):
         return torch.empty(t, n, dtype=dtype)
 
     peers = torch.zeros(4, dtype=torch.int64)
-    four = AllReduceNorm(0, 4, peers, PER_PEER_BYTES[4], 8, MAX_ROWS.get(4))
-    assert four.takes(rows(32, 8192)) and four.takes(rows(1, 4096)) and four.takes(rows(32, 4096))
-    assert not four.takes(rows(33, 4096)) and not four.takes(rows(64, 4096))  # the row cap, inside the buffer
-    assert not four.takes(rows(32, 16384))  # past the buffer
+    cap = MAX_ROWS[4]
+    four = AllReduceNorm(0, 4, peers, PER_PEER_BYTES[4], 8, cap, two_shot_from=TWO_SHOT_FROM[4])
+    assert four.takes(rows(cap, 8192)) and four.takes(rows(1, 4096)) and four.takes(rows(cap, 4096))
+    assert not four.takes(rows(cap + 1, 4096)) and not four.takes(rows(2 * cap, 4096))  # the row cap
+    assert not four.takes(rows(cap, 16384)) or cap * 16384 * 2 <= PER_PEER_BYTES[4]  # past the buffer
+    assert not four.takes(rows(PER_PEER_BYTES[4] // (8192 * 2) + 1, 8192))
     assert not four.takes(rows(4, 4096, torch.float32)) and not four.takes(rows(4, 8192)[:, ::2])  # dtype, stride
-    two = AllReduceNorm(0, 2, peers[:2], PER_PEER_BYTES[2], 8, MAX_ROWS.get(2))
+    assert 1 < four.two_shot_from <= cap  # one-shot for the fewest rows, two-shot before the cap
+    two = AllReduceNorm(0, 2, peers[:2], PER_PEER_BYTES[2], 8, MAX_ROWS.get(2), two_shot_from=TWO_SHOT_FROM.get(2))
     assert two.takes(rows(256, 8192)) and not two.takes(rows(257, 8192))  # bytes only: 4 MiB
+    assert two.two_shot_from > 1 << 40  # two ranks: one-shot moves as few bytes
 
 
 _COMPILE = r"""
@@ -146,12 +150,12 @@ from triton.compiler import ASTSource
 from radixlm.kernels.allreduce_norm import _allreduce_rmsnorm_kernel as fn
 
 out = []
-for quant in (False, True):
+for quant, world, two_shot in ((False, 2, False), (True, 2, False), (False, 4, True), (True, 4, True)):
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv",
            "s_ptr": "*fp32", "peers_ptr": "*i64", "state_ptr": "*i64", "n_rows": "i32", "stride_x": "i32",
            "stride_res": "i32", "stride_out": "i32", "n_cols": "i32", "eps": "fp32", "rank": "i32",
            "rows_cap": "i32", "data_off": "i32"}
-    const = dict(WORLD=2, QUANT=quant, USE_PDL=True, BLOCK=4096)
+    const = dict(WORLD=world, QUANT=quant, TWO_SHOT=two_shot, USE_PDL=True, BLOCK=4096)
     sig.update({k: "constexpr" for k in const})
     # what a launch with 4096-wide rows tells the compiler: tensors and these integers divide by 16
     hints = [a for a, t in sig.items() if t.startswith("*")]
@@ -169,9 +173,10 @@ print(json.dumps(out))
 
 
 def test_compiles_for_hopper_with_system_scope_flags_and_vector_rows():
-    """The compiler (not the interpreter) builds the kernel for sm_90: the flags are a release store and an
-    acquire load at system scope (peers over NVLink), and rows move in 16-byte vectors (the buffers' addresses
-    come from memory, so without the alignment hint every element moved alone)."""
+    """The compiler (not the interpreter) builds the kernel for sm_90, one-shot and two-shot: the flags are a
+    release store and an acquire load at system scope (peers over NVLink), and rows move in 16-byte vectors (the
+    buffers' addresses come from memory, so without the alignment hint every element moved alone; a hint given
+    inside a helper function and returned from it was lost)."""
     import json
     import os
     import subprocess
@@ -190,22 +195,28 @@ def test_compiles_for_hopper_with_system_scope_flags_and_vector_rows():
 # concurrently, each at its own pace (the slower one sleeps at random before some calls), so a fast rank's
 # pushes and flags for its next call land while its peer still reads the current one: the parity and the
 # "flag at least this epoch" rules are what keep the answers right. Interpreter atomics are the host's.
-_SHM_WORLD, _SHM_PER_PEER, _SHM_GRID = 2, 16 * 64 * 2, 2
+_SHM_PER_PEER = 16 * 64 * 2
 _SHM_HOGS = 6
-# (rows, quant) of each call; a grid of two programs, so that some calls loop over rows
-_SHM_CALLS = [(1, False), (3, True), (5, False), (2, False), (4, True), (1, True), (5, False), (3, False)]
+# world -> (grid, [(rows, quant, two_shot) of each call]): at two ranks a grid of two programs, so that some calls
+# loop over rows; at four, a grid of four (every rank owns a program's rows under two-shot), the schemes mixed
+_SHM_PLANS = {
+    2: (2, [(1, False, False), (3, True, False), (5, False, False), (2, False, False), (4, True, False),
+            (1, True, False), (5, False, False), (3, False, False)]),
+    4: (4, [(5, False, True), (6, True, True), (2, False, False), (7, False, True), (4, True, False),
+            (3, True, True), (8, False, True), (1, False, False)]),
+}  # fmt: skip
 
 
-def _shm_inputs(call: int, rows: int, n: int):
+def _shm_inputs(call: int, rows: int, n: int, world: int):
     """Every rank's partial rows, the shared residual and weight of one call (any process can rebuild them)."""
     g = torch.Generator().manual_seed(1000 + call)
-    parts = [torch.randn(rows, n, generator=g).to(torch.bfloat16) for _ in range(_SHM_WORLD)]
+    parts = [torch.randn(rows, n, generator=g).to(torch.bfloat16) for _ in range(world)]
     residual = torch.randn(rows, n, generator=g).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
     return parts, residual, w
 
 
-def _shm_rank(rank: int, names: list[str], n: int, out) -> None:
+def _shm_rank(rank: int, world: int, names: list[str], n: int, out) -> None:
     import random
     import time
     from multiprocessing import shared_memory
@@ -213,14 +224,15 @@ def _shm_rank(rank: int, names: list[str], n: int, out) -> None:
     from radixlm.srt.distributed.fused_all_reduce import AllReduceNorm
 
     try:
+        grid, calls = _SHM_PLANS[world]
         segments = [shared_memory.SharedMemory(name=name) for name in names]
         bufs = [torch.frombuffer(s.buf, dtype=torch.uint8) for s in segments]
         peers = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-        fused = AllReduceNorm(rank, _SHM_WORLD, peers, _SHM_PER_PEER, _SHM_GRID, keep=(segments, bufs))
+        fused = AllReduceNorm(rank, world, peers, _SHM_PER_PEER, grid, keep=(segments, bufs))
         rng = random.Random(rank)
         if rank == 1:
-            # rank 1 runs several times slower (threads sharing its interpreter lock): rank 0 then finishes each
-            # call first and pushes its next one while rank 1 still reads the current one
+            # rank 1 runs several times slower (threads sharing its interpreter lock): the others then finish
+            # each call first and push their next one while rank 1 still reads the current one
             import sys
             import threading
 
@@ -228,11 +240,11 @@ def _shm_rank(rank: int, names: list[str], n: int, out) -> None:
             for _ in range(_SHM_HOGS):
                 threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
         results = []
-        for call, (rows, quant) in enumerate(_SHM_CALLS):
+        for call, (rows, quant, two_shot) in enumerate(calls):
             if rank == 1 and rng.random() < 0.5:
                 time.sleep(rng.random() * 0.3)
-            parts, residual, w = _shm_inputs(call, rows, n)
-            got = fused(parts[rank].clone(), residual.clone(), w, 1e-6, quant=quant)
+            parts, residual, w = _shm_inputs(call, rows, n, world)
+            got = fused(parts[rank].clone(), residual.clone(), w, 1e-6, quant=quant, two_shot=two_shot)
             results.append([t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in got])
         # as plain pickled bytes: a tensor through the queue would be shared memory this process frees on exit
         out.put(pickle.dumps((rank, results, fused.state.tolist())))
@@ -246,30 +258,35 @@ def _shm_rank(rank: int, names: list[str], n: int, out) -> None:
 
 
 @pytest.mark.skipif(
-    DEV == "cuda", reason="the interpreter's two-process run; GPUs run tests/gpu/test_allreduce_norm_cuda.py"
+    DEV == "cuda", reason="the interpreter's multi-process run; GPUs run tests/gpu/test_allreduce_norm_cuda.py"
 )
-def test_two_processes_over_shared_memory_agree_with_each_other_and_the_reference():
+@pytest.mark.parametrize("world", [2, 4])
+def test_processes_over_shared_memory_agree_with_each_other_and_the_reference(world):
+    """Two ranks one-shot; four ranks one-shot and two-shot calls in one sequence (each program's rows reduced
+    by its owner rank and sent back)."""
     from multiprocessing import shared_memory
 
     from radixlm.kernels.allreduce_norm import allreduce_rmsnorm_ref, buffer_bytes
 
     n = 64
-    size = buffer_bytes(_SHM_WORLD, _SHM_PER_PEER, _SHM_GRID)
-    segments = [shared_memory.SharedMemory(create=True, size=size) for _ in range(_SHM_WORLD)]
+    grid, calls = _SHM_PLANS[world]
+    size = buffer_bytes(world, _SHM_PER_PEER, grid)
+    segments = [shared_memory.SharedMemory(create=True, size=size) for _ in range(world)]
     try:
         for s in segments:
             s.buf[:size] = bytes(size)  # flags start below every epoch
         ctx = torch.multiprocessing.get_context("spawn")
         out = ctx.Queue()
-        procs = [ctx.Process(target=_shm_rank, args=(r, [s.name for s in segments], n, out)) for r in range(2)]
+        names = [s.name for s in segments]
+        procs = [ctx.Process(target=_shm_rank, args=(r, world, names, n, out)) for r in range(world)]
         for p in procs:
             p.start()
         got = {}
         for _ in procs:
-            rank, results, state = pickle.loads(out.get(timeout=240))
+            rank, results, state = pickle.loads(out.get(timeout=300))
             assert state is not None, results
             got[rank] = results
-            assert state == [len(_SHM_CALLS) + 1, 0]  # one epoch a call, counted in the kernel
+            assert state == [len(calls) + 1, 0]  # one epoch a call, counted in the kernel
         for p in procs:
             p.join(timeout=30)
     finally:
@@ -279,10 +296,11 @@ def test_two_processes_over_shared_memory_agree_with_each_other_and_the_referenc
         for s in segments:
             s.close()
             s.unlink()
-    for call, (rows, quant) in enumerate(_SHM_CALLS):
-        for a, b in zip(got[0][call], got[1][call]):
-            assert torch.equal(a, b), f"call {call}: the ranks disagree"  # the same bits on every rank
-        parts, residual, w = _shm_inputs(call, rows, n)
+    for call, (rows, quant, _) in enumerate(calls):
+        for r in range(1, world):
+            for a, b in zip(got[0][call], got[r][call]):
+                assert torch.equal(a, b), f"call {call}: ranks 0 and {r} disagree"  # the same bits on every rank
+        parts, residual, w = _shm_inputs(call, rows, n, world)
         want = allreduce_rmsnorm_ref(parts, residual.clone(), w, 1e-6, quant=quant)
         assert _rel(got[0][call][-1], want[-1]) < 1e-2, f"call {call}: residual stream"  # interpreter truncation
         if not quant:
