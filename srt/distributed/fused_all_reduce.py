@@ -19,16 +19,17 @@ from radixlm.kernels.allreduce_norm import GRID_MAX, allreduce_rmsnorm, buffer_b
 logger = logging.getLogger(__name__)
 
 # Rows pushed to each peer per call (bytes), up to where the fused kernel measured faster than NCCL's all-reduce
-# and the norm kernel (benchmarks/gpu/bench_allreduce_norm.py, 4 x H200 NVLink): a rank pushes world_size - 1
-# copies, where NCCL's ring moves about two, so the push's lead shrinks with the group and the tensor. At tp 2 it
-# led at every decode batch measured (4 MiB: a 70B batch of 256 rows). At tp 4 it led up to 32 rows and lost
-# from 64 at both Llama hidden sizes (4096 and 8192), so there the rows are capped too (MAX_ROWS). No entry (NCCL
-# for everything) where no measurement was made: 8 GPUs.
-# From TWO_SHOT_FROM rows on, a group of four reduces each row on one owner rank and sends the sum back
-# (kernels/allreduce_norm.py): half the bytes of pushing every row to every peer, for a second flag round.
-PER_PEER_BYTES = {2: 4 << 20, 4: 1 << 20}
-MAX_ROWS = {4: 64}
-TWO_SHOT_FROM = {4: 17}
+# and the norm kernel (benchmarks/gpu/bench_allreduce_norm.py, 4 x H200 NVLink). At tp 2 it led at every decode
+# batch measured (4 MiB: a 70B batch of 256 rows). At tp 4 pushing every row to every peer (one-shot: three
+# copies, where NCCL's ring moves about 1.5) led up to 256 KiB of rows and lost past it (8192 x 64: 23.5 against
+# 19.9 us); past TWO_SHOT_PAST bytes the rows are reduced two-shot instead (each by one owner rank, which sends
+# the sum back: 1.5 copies in two flag rounds), which led NCCL up to the 128 rows measured (8192 x 64: 17.8 us,
+# x 128: 25.7 against 29.3; at 4096 x 128 even) and trailed one-shot at 256 KiB and below by 1-12%. MAX_ROWS caps
+# the rows where no larger count was measured. No entry (NCCL for everything) where no measurement was made: 8
+# GPUs.
+PER_PEER_BYTES = {2: 4 << 20, 4: 2 << 20}
+MAX_ROWS = {4: 128}
+TWO_SHOT_PAST = {4: 256 << 10}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # Group names this process has mapped symmetric memory for. torch keeps what a rendezvous learned about a group
@@ -46,12 +47,12 @@ class AllReduceNorm:
 
     def __init__(
         self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int, max_rows=None, keep=(),
-        two_shot_from: int | None = None,
+        two_shot_past: int | None = None,
     ):  # fmt: skip
         self.rank, self.world, self.peers = rank, world, peers
         self.per_peer_bytes, self.grid_max = per_peer_bytes, grid_max
         self.max_rows = max_rows or 1 << 62
-        self.two_shot_from = two_shot_from or 1 << 62
+        self.two_shot_past = two_shot_past or 1 << 62  # bytes of rows past which a call is two-shot
         self.state = torch.tensor([1, 0], dtype=torch.int64, device=peers.device)  # [epoch, programs done]
         self._keep = keep
 
@@ -67,9 +68,9 @@ class AllReduceNorm:
     def __call__(self, x, residual, weight, eps, quant: bool = False, two_shot: bool | None = None):
         """(rmsnorm(sum over ranks of x + residual), residual) with x overwritten, or (e4m3 rows, scales,
         residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm).
-        `two_shot`: the scheme (default: two-shot from `two_shot_from` rows on)."""
+        `two_shot`: the scheme (default: two-shot past `two_shot_past` bytes of rows)."""
         if two_shot is None:
-            two_shot = x.shape[0] >= self.two_shot_from
+            two_shot = x.numel() * x.element_size() > self.two_shot_past
         return allreduce_rmsnorm(
             x, residual, weight, eps, self.peers, self.state, self.rank, self.world, self.per_peer_bytes,
             self.grid_max, quant, two_shot,
@@ -127,7 +128,7 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
             grid_max,
             MAX_ROWS.get(tp.size),
             (buf, handle),
-            TWO_SHOT_FROM.get(tp.size),
+            TWO_SHOT_PAST.get(tp.size),
         )
         dist.barrier(group=tp.group)  # every peer's flags are zero before anyone pushes
         ok, why = _probe(fused, tp, device)
@@ -148,7 +149,7 @@ def _probe(fused: AllReduceNorm, tp, device) -> tuple[bool, str]:
     to every element, so the residual stream becomes residual + world * (world + 1) / 2 on every rank."""
     n = 1024
     w = torch.ones(n, dtype=torch.bfloat16, device=device)
-    for two_shot in (False, False, True, True) if fused.two_shot_from < 1 << 62 else (False, False):
+    for two_shot in (False, False, True, True) if fused.two_shot_past < 1 << 62 else (False, False):
         x = torch.full((4, n), float(tp.rank + 1), dtype=torch.bfloat16, device=device)
         residual = torch.ones(4, n, dtype=torch.bfloat16, device=device)
         _, residual = fused(x, residual, w, 1e-6, two_shot=two_shot)

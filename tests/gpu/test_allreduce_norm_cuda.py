@@ -94,7 +94,7 @@ def _check(rank: int, world: int, init: str) -> None:
         return parts, residual, w
 
     shapes = random.Random(5)  # the same calls on every rank
-    # tp 4: one-shot and two-shot calls mixed (two-shot from fused.two_shot_from rows)
+    # tp 4: one-shot and two-shot calls mixed (two-shot past fused.two_shot_past bytes)
     fits = [r for r in (1, 3, 17, 32, 64, 96) if fused.takes(torch.empty(r, 4096, dtype=torch.bfloat16))]
     plan = [(shapes.choice(fits), shapes.random() < 0.3) for _ in range(120)]
     calls = [local_inputs(rows, 4096, 5000 + i) for i, (rows, _) in enumerate(plan)]
@@ -112,8 +112,8 @@ def _check(rank: int, world: int, init: str) -> None:
         assert torch.equal(got[-1], want[-1]), f"out-of-step call {i} ({rows} rows): residual stream differs"
         same_everywhere(got[-1])
 
-    # CUDA graphs: three calls captured, replayed with new inputs
-    rows, n = 32, 4096
+    # CUDA graphs: three calls captured, replayed with new inputs (tp 4: two-shot calls)
+    rows, n = (64 if world >= 4 else 32), 4096
     x, residual, w, _ = inputs(rows, n, 99)
     xs = [x.clone() for _ in range(3)]
     res = residual.clone()

@@ -122,24 +122,24 @@ def test_rows_past_the_buffer_are_refused():
 
 def test_the_runtime_takes_rows_up_to_its_byte_and_row_limits():
     """Which tensors go to the fused kernel rather than NCCL: within the buffer and, where a group size has a row
-    cap (tp 4), within that too; and from which row count a group of four reduces two-shot."""
-    from radixlm.srt.distributed.fused_all_reduce import MAX_ROWS, PER_PEER_BYTES, TWO_SHOT_FROM, AllReduceNorm
+    cap (tp 4), within that too; and past which size a group of four reduces two-shot."""
+    from radixlm.srt.distributed.fused_all_reduce import MAX_ROWS, PER_PEER_BYTES, TWO_SHOT_PAST, AllReduceNorm
 
     def rows(t, n, dtype=torch.bfloat16):
         return torch.empty(t, n, dtype=dtype)
 
     peers = torch.zeros(4, dtype=torch.int64)
     cap = MAX_ROWS[4]
-    four = AllReduceNorm(0, 4, peers, PER_PEER_BYTES[4], 8, cap, two_shot_from=TWO_SHOT_FROM[4])
+    four = AllReduceNorm(0, 4, peers, PER_PEER_BYTES[4], 8, cap, two_shot_past=TWO_SHOT_PAST[4])
     assert four.takes(rows(cap, 8192)) and four.takes(rows(1, 4096)) and four.takes(rows(cap, 4096))
     assert not four.takes(rows(cap + 1, 4096)) and not four.takes(rows(2 * cap, 4096))  # the row cap
-    assert not four.takes(rows(cap, 16384)) or cap * 16384 * 2 <= PER_PEER_BYTES[4]  # past the buffer
-    assert not four.takes(rows(PER_PEER_BYTES[4] // (8192 * 2) + 1, 8192))
+    assert not four.takes(rows(PER_PEER_BYTES[4] // (8192 * 2) + 1, 8192))  # past the buffer
     assert not four.takes(rows(4, 4096, torch.float32)) and not four.takes(rows(4, 8192)[:, ::2])  # dtype, stride
-    assert 1 < four.two_shot_from <= cap  # one-shot for the fewest rows, two-shot before the cap
-    two = AllReduceNorm(0, 2, peers[:2], PER_PEER_BYTES[2], 8, MAX_ROWS.get(2), two_shot_from=TWO_SHOT_FROM.get(2))
+    # one-shot up to TWO_SHOT_PAST bytes of rows (16 rows of 8192 or 32 of 4096 at 256 KiB), two-shot past them
+    assert 0 < four.two_shot_past < cap * 8192 * 2
+    two = AllReduceNorm(0, 2, peers[:2], PER_PEER_BYTES[2], 8, MAX_ROWS.get(2), two_shot_past=TWO_SHOT_PAST.get(2))
     assert two.takes(rows(256, 8192)) and not two.takes(rows(257, 8192))  # bytes only: 4 MiB
-    assert two.two_shot_from > 1 << 40  # two ranks: one-shot moves as few bytes
+    assert two.two_shot_past > 1 << 40  # two ranks: one-shot moves as few bytes
 
 
 _COMPILE = r"""
