@@ -16,13 +16,15 @@ of the tensor) each program's rows have an owner, rank `pid % world`: the other 
 owner only (step 1 to the owner), the owner waits for them and sums in rank order, then pushes the rounded sum to
 every peer's slot for its own rank and raises their flags; the others wait for the owner's flag and take the sum
 from there. A rank then moves 2 (world - 1) / world copies in two flag rounds instead of world - 1 in one, and
-every rank still adds the same rounded sum to the same residual. A flag slot is written once a call in either
-scheme (a peer's slot at the owner in the first round, the owner's slot at a peer in the second), so calls of both
-schemes can follow each other.
+every rank still adds the same rounded sum to the same residual. A flag slot has one writer and is written at most
+once a call, with that call's epoch (two-shot writes a peer's slot at the owner in the first round and the
+owner's slot at a peer in the second, and leaves the rest), and a rank waits only on the slots its scheme
+writes in that call, so calls of both schemes can follow each other.
 
 Calls are counted on the device (`state`: [epoch, programs done]; the last program of a call advances the
 epoch), so the kernel replays in CUDA graphs. Two parities are enough: a peer can be at most one call ahead,
-since it cannot finish a call before this rank has pushed to it. Flags only grow, so a flag already past this
+since it cannot finish a call before this rank has pushed for it (one-shot: to it; two-shot: to the owners,
+whose sums the peer waits for). Flags only grow, so a flag already past this
 call's epoch (a fast peer's next call) still releases the wait. Every program of a grid must be resident at
 once (they wait for each other across ranks), so the grid is at most `grid_max`, below the SM count, and
 programs loop over rows."""

@@ -146,14 +146,19 @@ def setup(tp, device: torch.device) -> AllReduceNorm | None:
 
 def _probe(fused: AllReduceNorm, tp, device) -> tuple[bool, str]:
     """Two calls (both parities) of each scheme the group uses, whose sums are known: rank r contributes r + 1
-    to every element, so the residual stream becomes residual + world * (world + 1) / 2 on every rank."""
+    to every element, so the residual stream becomes residual + world * (world + 1) / 2 on every rank. Every
+    call is made whatever an earlier one gave: a rank that stopped at a wrong sum would leave its peers waiting
+    in the next call for flags that never come (two-shot ranks take different paths, so one rank alone can be
+    wrong), where the ranks must instead agree to fall back to NCCL."""
     n = 1024
     w = torch.ones(n, dtype=torch.bfloat16, device=device)
+    want = 1 + tp.size * (tp.size + 1) / 2
+    why = ""
     for two_shot in (False, False, True, True) if fused.two_shot_past < 1 << 62 else (False, False):
         x = torch.full((4, n), float(tp.rank + 1), dtype=torch.bfloat16, device=device)
         residual = torch.ones(4, n, dtype=torch.bfloat16, device=device)
         _, residual = fused(x, residual, w, 1e-6, two_shot=two_shot)
-        want = 1 + tp.size * (tp.size + 1) / 2
-        if not bool((residual == want).all().item()):
-            return False, f"the probe's sum was {residual.flatten()[0].item()}, expected {want}"
-    return True, ""
+        if not why and not bool((residual == want).all().item()):
+            scheme = "two-shot" if two_shot else "one-shot"
+            why = f"the {scheme} probe's sum was {residual.flatten()[0].item()}, expected {want}"
+    return not why, why
