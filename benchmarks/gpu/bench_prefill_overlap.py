@@ -1,0 +1,113 @@
+"""Time a prefill chunk's row-parallel projections (o and down of the 70B shape, FP8 weights) with their
+all-reduce, plain (the product, then one NCCL all-reduce) against pipelined (--enable-prefill-overlap: row pieces
+whose all-reduces overlap the next piece's product, srt/layers/parallel.py), and each part alone (the product;
+the all-reduce) for the bound: per call, median of the timed repeats, rank 0's clock.
+
+Usage (a host with at least WORLD GPUs): python benchmarks/gpu/bench_prefill_overlap.py --world 2 --out F.json
+Prints a table and writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from radixlm.srt.distributed.ranks import free_init_addr  # noqa: E402
+
+# (name, input features of the whole model, output features): the 70B's o and down projections
+SHAPES = [("o", 8192, 8192), ("down", 28672, 8192)]
+
+
+def _worker(rank: int, world: int, init: str, args, out_q) -> None:
+    import torch.distributed as dist
+
+    from radixlm.srt.distributed.parallel import init_tensor_parallel
+    from radixlm.srt.layers.parallel import RowParallelLinear
+    from radixlm.srt.layers.quantization.fp8 import Fp8Linear
+
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    tp = init_tensor_parallel(world, rank, init, "nccl", 60)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(args.repeats):
+            dist.barrier(group=tp.group)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    rows_out = []
+    for name, k_all, n in SHAPES:
+        k = k_all // world
+        layer = RowParallelLinear(16, 16, tp=tp)  # its own weight unused: the FP8 weight below computes
+        w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+        layer.quant = Fp8Linear.from_weight(w)
+        piped = dataclasses.replace(tp, overlap_rows=1)
+        for rows in args.rows:
+            x = torch.randn(rows, k, device=dev).to(torch.bfloat16)
+            y = layer.product(x)
+            row = {"shape": name, "rows": rows, "k": k, "n": n, "world": world}
+            row["product_ms"] = ms(lambda: layer.product(x))
+            row["all_reduce_ms"] = ms(lambda: tp.all_reduce(y))
+            layer.tp = tp
+            row["plain_ms"] = ms(lambda: layer.forward(x))
+            layer.tp = piped
+            row["pipelined_ms"] = ms(lambda: layer.forward(x))
+            a = tp.all_reduce(layer.product(x))
+            b = layer.forward(x)
+            row["max_abs_diff"] = (a.float() - b.float()).abs().max().item()  # a sum of two ranks: 0
+            layer.tp = tp
+            rows_out.append(row)
+    if rank == 0:
+        out_q.put(rows_out)
+    dist.barrier(group=tp.group)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    ctx = torch.multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    init = free_init_addr()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    print(f"{'shape':>5} {'rows':>5} | {'product':>8} {'all-red':>8} {'plain':>8} {'piped':>8} {'gain':>6}  (ms/call)")
+    for r in rows:
+        gain = r["plain_ms"] / r["pipelined_ms"]
+        print(
+            f"{r['shape']:>5} {r['rows']:>5} | {r['product_ms']:8.3f} {r['all_reduce_ms']:8.3f} {r['plain_ms']:8.3f} "
+            f"{r['pipelined_ms']:8.3f} {gain:5.2f}x  diff {r['max_abs_diff']:.3g}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "repeats": args.repeats}
+    args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
