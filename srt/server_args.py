@@ -52,11 +52,6 @@ class ServerArgs:
         False,
         "NCCL for every all-reduce on one host's GPUs: no fused all-reduce + norm kernel over symmetric memory",
     )
-    enable_prefill_overlap: bool = _opt(
-        False,
-        "tp > 1: a prefill chunk's o and down projections run in row pieces, each piece's all-reduce overlapping "
-        "the next piece's product (NCCL on its own stream; gloo on its own thread)",
-    )
     dist_timeout: float = _opt(60.0, "seconds the ranks may take to meet before start-up fails with a message")
     tp_check_batches: bool = _opt(
         False, "debug: every rank hashes the batch it is about to run; a difference stops the server with an error"

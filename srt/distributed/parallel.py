@@ -18,12 +18,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-# --enable-prefill-overlap: rows (tokens of an extend batch) from which the row-parallel projections pipeline
-# their all-reduces (TensorParallel.overlap_rows). Decode batches and the small extends that CUDA graphs capture
-# stay below it.
-PREFILL_OVERLAP_ROWS = 2048
-
-
 @dataclass(frozen=True)
 class TensorParallel:
     size: int = 1
@@ -31,9 +25,6 @@ class TensorParallel:
     group: object | None = None  # a torch.distributed ProcessGroup when size > 1
     # GPUs of one host: the all-reduce fused with the norm after it (fused_all_reduce.AllReduceNorm), or None
     fused: object | None = None
-    # From this many rows (a prefill chunk) a row-parallel projection runs in row pieces, each piece's all-reduce
-    # overlapping the next piece's product (srt/layers/parallel.py); 0: off
-    overlap_rows: int = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (x itself when size is 1)."""
@@ -42,13 +33,6 @@ class TensorParallel:
 
             dist.all_reduce(x, group=self.group)
         return x
-
-    def all_reduce_async(self, x: torch.Tensor):
-        """Start the sum over ranks of x, in place, and return its handle (`wait()` before x is read): NCCL runs
-        it on its own stream, gloo on its own thread, while the caller goes on."""
-        import torch.distributed as dist
-
-        return dist.all_reduce(x, group=self.group, async_op=True)
 
     def all_reduce_min(self, value: int) -> int:
         """The smallest of every rank's `value` (a start-up decision all ranks must share)."""

@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from radixlm.srt.distributed.parallel import PREFILL_OVERLAP_ROWS, SINGLE, TensorParallel, init_tensor_parallel
+from radixlm.srt.distributed.parallel import SINGLE, TensorParallel, init_tensor_parallel
 from radixlm.srt.distributed.step_record import FORWARD, STOP, StepChannel, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -256,8 +256,6 @@ def join(size: int, rank: int, init: str, args) -> tuple[TensorParallel, object]
         from radixlm.srt.distributed.fused_all_reduce import setup
 
         tp = dataclasses.replace(tp, fused=setup(tp, torch.device(rank_device(args, rank))))
-    if args.enable_prefill_overlap:
-        tp = dataclasses.replace(tp, overlap_rows=PREFILL_OVERLAP_ROWS)
     control = dist.new_group(backend="gloo", timeout=_IDLE)  # step records: CPU objects, waited on while idle
     return tp, control
 
