@@ -1,15 +1,16 @@
-"""Time a prefill chunk's row-parallel projections (o and down of the 70B shape, FP8 weights) with their
-all-reduce, plain (the product, then one NCCL all-reduce) against pipelined (--enable-prefill-overlap: row pieces
-whose all-reduces overlap the next piece's product, srt/layers/parallel.py), and each part alone (the product;
-the all-reduce) for the bound: per call, median of the timed repeats, rank 0's clock.
+"""Investigation (issue 32, eighteenth session): would a prefill chunk's row-parallel projections (o and down of
+the 70B shape, FP8 weights) gain from computing in row pieces whose async all-reduces overlap the next piece's
+product? Times plain (the product, then one NCCL all-reduce) against pipelined (up to four pieces of at least
+512 rows, the all-reduces started as each piece is done), and each part alone (the product; the all-reduce):
+per call, median of the timed repeats, rank 0's clock. On 2 x H200 the pipelined call was no faster (results
+README, "Eighteenth session"), so the runtime does not pipeline; this stays for a later attempt (an SM carve-out
+for the GEMM, or copy-engine collectives, so that the two can run at once).
 
-Usage (a host with at least WORLD GPUs): python benchmarks/gpu/bench_prefill_overlap.py --world 2 --out F.json
-Prints a table and writes JSON."""
+Usage (a host with at least WORLD GPUs): python tools/prefill_overlap.py --world 2 --out F.json"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -30,7 +31,6 @@ def _worker(rank: int, world: int, init: str, args, out_q) -> None:
     import torch.distributed as dist
 
     from radixlm.srt.distributed.parallel import init_tensor_parallel
-    from radixlm.srt.layers.parallel import RowParallelLinear
     from radixlm.srt.layers.quantization.fp8 import Fp8Linear
 
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
@@ -53,27 +53,35 @@ def _worker(rank: int, world: int, init: str, args, out_q) -> None:
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
+    def pipelined(quant, x):
+        pieces = min(4, x.shape[0] // 512)
+        parts, pending = [], []
+        for rows in x.split(-(-x.shape[0] // pieces)):
+            part = quant.matmul(rows)
+            pending.append(dist.all_reduce(part, group=tp.group, async_op=True))
+            parts.append(part)
+        for work in pending:
+            work.wait()
+        return torch.cat(parts)
+
+    def plain(quant, x):
+        return tp.all_reduce(quant.matmul(x))
+
     rows_out = []
     for name, k_all, n in SHAPES:
         k = k_all // world
-        layer = RowParallelLinear(16, 16, tp=tp)  # its own weight unused: the FP8 weight below computes
         w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-        layer.quant = Fp8Linear.from_weight(w)
-        piped = dataclasses.replace(tp, overlap_rows=1)
+        quant = Fp8Linear.from_weight(w)
         for rows in args.rows:
             x = torch.randn(rows, k, device=dev).to(torch.bfloat16)
-            y = layer.product(x)
+            y = quant.matmul(x)
             row = {"shape": name, "rows": rows, "k": k, "n": n, "world": world}
-            row["product_ms"] = ms(lambda: layer.product(x))
+            row["product_ms"] = ms(lambda: quant.matmul(x))
             row["all_reduce_ms"] = ms(lambda: tp.all_reduce(y))
-            layer.tp = tp
-            row["plain_ms"] = ms(lambda: layer.forward(x))
-            layer.tp = piped
-            row["pipelined_ms"] = ms(lambda: layer.forward(x))
-            a = tp.all_reduce(layer.product(x))
-            b = layer.forward(x)
+            row["plain_ms"] = ms(lambda: plain(quant, x))
+            row["pipelined_ms"] = ms(lambda: pipelined(quant, x))
+            a, b = plain(quant, x), pipelined(quant, x)
             row["max_abs_diff"] = (a.float() - b.float()).abs().max().item()  # a sum of two ranks: 0
-            layer.tp = tp
             rows_out.append(row)
     if rank == 0:
         out_q.put(rows_out)
