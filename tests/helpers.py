@@ -90,6 +90,11 @@ def make_tiny_checkpoint(
     return Path(path)
 
 
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref||, in float64 (either may be bf16, fp8-dequantized or on a GPU)."""
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
 def forward_logits(engine, ids: list[int], split: int | None = None) -> torch.Tensor:
     """Logits for every position of `ids` from our model, optionally computed as two extends
     (ids[:split], then the rest attending to the cached prefix). Uses and returns the engine's pools' slots."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import radixlm
-from tests.helpers import forward_logits, hf_logits, make_tiny_checkpoint, smollm_tokenizer
+from tests.helpers import forward_logits, hf_logits, make_tiny_checkpoint, rel_err, smollm_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -52,10 +52,6 @@ RUNS = {
     "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 64},  # (mixed chunks are the CUDA default)
     "no-mixed": {"disable_mixed_chunk": True, "chunked_prefill_size": 64},
 }
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +115,10 @@ def test_bf16_logits_within_transformers_own_rounding(checkpoints, ids, arch, ba
     ours = forward_logits(engine, ids)
     split = forward_logits(engine, ids, split=len(ids) // 3)  # two extends, the second over a cached prefix
     _close(engine)
-    assert _rel(ours, ref32) <= 1.25 * _rel(ref16, ref32) + 0.002
+    assert rel_err(ours, ref32) <= 1.25 * rel_err(ref16, ref32) + 0.002
     hf_agree = (ref16.argmax(-1) == ref32.argmax(-1)).float().mean().item()
     assert (ours.argmax(-1) == ref32.argmax(-1)).float().mean().item() >= hf_agree - 0.03
-    assert _rel(split, ours) < 0.01
+    assert rel_err(split, ours) < 0.01
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "flashinfer"])  # FlashInfer runs 16-bit only

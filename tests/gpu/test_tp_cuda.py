@@ -24,7 +24,7 @@ import torch
 import radixlm
 from radixlm.srt.layers.quantization.fp8 import fp8_supported
 from radixlm.srt.model_executor.forward_batch import BatchSpec, ForwardMode
-from tests.helpers import ServerProcess, make_tiny_checkpoint, pid_alive, smollm_tokenizer
+from tests.helpers import ServerProcess, make_tiny_checkpoint, pid_alive, rel_err, smollm_tokenizer
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="tensor parallelism needs at least two GPUs")]
@@ -43,10 +43,6 @@ RUNS = {
     "eager": {"disable_cuda_graph": True},
     "no-overlap": {"disable_overlap_schedule": True},
 }
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +131,7 @@ def test_bf16_logits_within_one_gpus_rounding(ckpt, ids, one_gpu, tp):
         e.shutdown()
     ref32, ref16 = one_gpu["float32"], one_gpu["bfloat16"]
     assert got.shape == ref32.shape
-    assert _rel(got, ref32) <= 1.25 * _rel(ref16, ref32) + 0.002
+    assert rel_err(got, ref32) <= 1.25 * rel_err(ref16, ref32) + 0.002
     agree16 = (ref16.argmax(-1) == ref32.argmax(-1)).float().mean().item()
     assert (got.argmax(-1) == ref32.argmax(-1)).float().mean().item() >= agree16 - 0.03
 
@@ -171,9 +167,9 @@ def test_fp8_at_tp2_within_e4m3_error(ckpt, ids, one_gpu, kv):
         out = e.generate(input_ids=ids[:20], sampling_params={**GREEDY, "max_new_tokens": 16})
     finally:
         e.shutdown()
-    err1 = _rel(ref8, one_gpu["float32"])
+    err1 = rel_err(ref8, one_gpu["float32"])
     assert 0.005 < err1 < 0.12  # e4m3 moved the logits, within its rounding (as tests/gpu/test_fp8_cuda.py)
-    assert _rel(got, one_gpu["float32"]) <= 1.25 * err1 + 0.01
+    assert rel_err(got, one_gpu["float32"]) <= 1.25 * err1 + 0.01
     assert len(out["output_ids"]) == 16
 
 

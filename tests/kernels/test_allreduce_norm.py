@@ -13,14 +13,11 @@ import pytest
 import torch
 
 from radixlm.kernels import HAS_TRITON
+from tests.helpers import rel_err
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _setup(world, per_peer, grid_max):
@@ -72,7 +69,7 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max):
         assert state.tolist() == [epoch + 1, 0]
         # the residual stream: the rank-order sum plus the residual (to bf16 rounding: the interpreter truncates
         # where the GPU rounds; the test below checks the kernel bit for bit against the norm kernel)
-        assert _rel(got[-1], want[-1]) < 1e-2
+        assert rel_err(got[-1], want[-1]) < 1e-2
         if quant:
             q, s, _ = got
             wq, ws, _ = want
@@ -81,7 +78,7 @@ def test_rank0_of_two_pushes_flags_sums_and_norms(quant, rows, n, grid_max):
         else:
             out, _ = got
             assert out.data_ptr() == x.data_ptr()  # in place, as fused_add_rmsnorm_
-            assert _rel(out, want[0]) < 1.5e-2
+            assert rel_err(out, want[0]) < 1.5e-2
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="one process stands in for two ranks only in the interpreter")
@@ -302,8 +299,8 @@ def test_processes_over_shared_memory_agree_with_each_other_and_the_reference(wo
                 assert torch.equal(a, b), f"call {call}: ranks 0 and {r} disagree"  # the same bits on every rank
         parts, residual, w = _shm_inputs(call, rows, n, world)
         want = allreduce_rmsnorm_ref(parts, residual.clone(), w, 1e-6, quant=quant)
-        assert _rel(got[0][call][-1], want[-1]) < 1e-2, f"call {call}: residual stream"  # interpreter truncation
+        assert rel_err(got[0][call][-1], want[-1]) < 1e-2, f"call {call}: residual stream"  # interpreter truncation
         if not quant:
-            assert _rel(got[0][call][0], want[0]) < 1.5e-2, f"call {call}: normed rows"
+            assert rel_err(got[0][call][0], want[0]) < 1.5e-2, f"call {call}: normed rows"
         else:
             assert torch.allclose(got[0][call][1], want[1], rtol=3e-2), f"call {call}: scales"

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from radixlm.kernels import cpu
+from tests.helpers import rel_err
 
 
 @pytest.fixture(scope="module", autouse=True, params=["native", "portable", "no-avx2"])
@@ -29,10 +30,6 @@ def _cpu_has(flag: str) -> bool:
         return any(line.startswith("flags") and flag in line.split() for line in f)
 
 
-def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def _bf16_ulps(ref: torch.Tensor, x: torch.Tensor) -> int:
     """Largest distance in bf16 steps (same-sign finite values)."""
     a, b = ref.view(torch.int16).int(), x.view(torch.int16).int()
@@ -49,8 +46,8 @@ def test_q8_gemm_matches_fp64(m):
     ref = x.double() @ (q.view(n, -1, 32).double() * d.double().unsqueeze(-1)).view(n, k).T
     y = cpu.q8_gemm(q, d, x)
     assert y.dtype == torch.float32 and y.shape == (m, n)
-    assert _rel(ref, y) < 1e-6  # fp32 sums of exact products
-    assert _rel(cpu.q8_gemm_ref(q, d, x), y) < 1e-6
+    assert rel_err(y, ref) < 1e-6  # fp32 sums of exact products
+    assert rel_err(y, cpu.q8_gemm_ref(q, d, x)) < 1e-6
 
 
 @pytest.mark.parametrize("add_dtype", [None, torch.bfloat16, torch.float32])
@@ -69,7 +66,7 @@ def test_add_rmsnorm(add_dtype, out_dtype):
     if out_dtype == torch.bfloat16:
         assert _bf16_ulps(ref, out) <= 1  # fp32 sums in another order may round the other way
     else:
-        assert _rel(ref, out) < 1e-6
+        assert rel_err(out, ref) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -178,7 +175,7 @@ def test_q4_gemm_matches_fp64(m, style, built):
     y = cpu.q4_gemm(qs, dm, x, n, k)
     assert y.shape == (m, n) and y.dtype == torch.float32
     ref = cpu.q4_gemm_ref(q, d, mins, x)
-    assert _rel(ref, y) < 1e-6
+    assert rel_err(y, ref) < 1e-6
     # per output, not only in norm: each one within a few fp32 roundings of its own sums' size
     scale = (
         x.bfloat16().double().abs()
@@ -204,6 +201,6 @@ def test_q4_gemm_long_rows_and_wide_tiles(m, built):
     g = torch.Generator().manual_seed(m)
     x = (torch.randn(2 * m, k, generator=g) * torch.exp2(torch.randint(-6, 7, (2 * m, k), generator=g)))[::2]
     y = cpu.q4_gemm(qs, dm, x, n, k)
-    assert _rel(cpu.q4_gemm_ref(q, d, mins, x), y) < 1e-6
+    assert rel_err(y, cpu.q4_gemm_ref(q, d, mins, x)) < 1e-6
     # x is rounded to bf16 inside: an x that is not bf16 gives the product of its rounded values
     assert torch.equal(y, cpu.q4_gemm(qs, dm, x.bfloat16().float(), n, k))

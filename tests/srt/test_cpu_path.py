@@ -7,7 +7,7 @@ import torch
 import radixlm
 from radixlm.kernels import cpu as cpu_ext
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from tests.helpers import forward_logits, make_tiny_checkpoint
+from tests.helpers import forward_logits, make_tiny_checkpoint, rel_err
 from tests.srt.test_model_correctness import PROMPT_IDS
 
 
@@ -64,10 +64,6 @@ def _decode_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
             r.req_to_token_pool.free(row)
 
 
-def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
-    return ((x - ref).norm() / ref.norm()).item()
-
-
 @pytest.fixture(scope="module")
 def cpu_engine(fp32_engine):
     """An fp32 engine on CPU (the suite on a GPU machine loads a CPU one here)."""
@@ -97,10 +93,10 @@ def test_cpu_loop_matches_module_path_fp32(cpu_engine):
             _decode_logits(smol_engine, prompts),
         ]
     for a, b in zip(fast, ref):
-        assert _rel(b, a) < 1e-5
+        assert rel_err(a, b) < 1e-5
     # the ragged batch's rows are each request's own logits
     alone = torch.cat([_decode_logits(smol_engine, [p]) for p in prompts])
-    assert _rel(alone, fast[2]) < 1e-5
+    assert rel_err(fast[2], alone) < 1e-5
 
 
 def test_cpu_loop_off_for_bf16_models(tmp_path):
@@ -125,7 +121,7 @@ def test_q8_gemm_matches_fp64(m):
     ref = x.double() @ w.T
     y = cpu_ext.q8_gemm(q, d, x)
     assert y.dtype == torch.float32 and y.shape == (m, n)
-    assert _rel(ref, y.double()) < 1e-6  # fp32 sums of exact products
+    assert rel_err(y.double(), ref) < 1e-6  # fp32 sums of exact products
 
 
 def test_without_a_c_compiler_torch_ops_serve(cpu_engine, monkeypatch, tmp_path):

@@ -27,17 +27,13 @@ from radixlm.srt.layers.quantization.fp8 import (
     quantize_tokens,
     scaled_gemm_rows,
 )
-from tests.helpers import forward_logits, make_tiny_checkpoint
+from tests.helpers import forward_logits, make_tiny_checkpoint, rel_err
 
 E4M3_STEP = 2.0**-3  # e4m3 keeps 3 mantissa bits: a rounding moves a value by at most half of this, relatively
 SIZES = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02
 )
 IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 3575, 282, 19628, 47, 2, 17, 9, 300]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # --- scales and round trips ---------------------------------------------------------------------------------
@@ -59,7 +55,7 @@ def test_token_scales_follow_each_token():
     x = torch.randn(5, 64) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1e4])[:, None]
     q, s = quantize_tokens(x)
     assert s.shape == (5, 1) and torch.allclose(s[:, 0], x.abs().amax(dim=1) / FP8_MAX)
-    assert _rel(q.float() * s, x) < E4M3_STEP / 2
+    assert rel_err(q.float() * s, x) < E4M3_STEP / 2
 
 
 def test_scaled_gemm_pads_batches_just_past_a_power_of_two():
@@ -90,13 +86,13 @@ def test_matmul_is_the_product_of_the_quantized_operands():
     exact = (xq.float() * xs) @ lin.dequantize().T
     y = lin.matmul(x)
     assert y.shape == (7, 64) and y.dtype == torch.float32
-    assert _rel(y, exact) < 1e-6  # both scales applied to the fp32 accumulator, nothing else rounded
-    assert _rel(y, x @ w.T) < 0.05  # e4m3 on both operands: a few percent
+    assert rel_err(y, exact) < 1e-6  # both scales applied to the fp32 accumulator, nothing else rounded
+    assert rel_err(y, x @ w.T) < 0.05  # e4m3 on both operands: a few percent
     xb = x.bfloat16()
     yb = lin.matmul(xb.reshape(1, 7, 96))
     xq, xs = quantize_tokens(xb)
     exact_b = (xq.float() * xs) @ lin.dequantize().T
-    assert yb.shape == (1, 7, 64) and yb.dtype == torch.bfloat16 and _rel(yb[0], exact_b) < 2.0**-8  # bf16 out
+    assert yb.shape == (1, 7, 64) and yb.dtype == torch.bfloat16 and rel_err(yb[0], exact_b) < 2.0**-8  # bf16 out
 
 
 def test_checkpoint_scales_per_channel_or_per_tensor_and_nothing_else():
@@ -119,7 +115,7 @@ def test_block_scales_fold_into_channel_scales():
     stored = q.float() * full  # the weight the block-scaled checkpoint holds
     q2, s2 = fold_block_scales(q, s_inv, block)
     back = dequantize_rows(q2, s2)
-    assert _rel(back, stored) < E4M3_STEP / 2  # one more rounding, per channel
+    assert rel_err(back, stored) < E4M3_STEP / 2  # one more rounding, per channel
     with pytest.raises(ValueError, match=r"block scales of shape \(2, 3\)"):
         fold_block_scales(q, s_inv[:2], block)
 
@@ -220,7 +216,7 @@ def test_fp8_model_matches_the_unquantized_one(tiny, reference, fp8_anywhere, so
     e.shutdown()
     # e4m3 on both operands of every projection: an error of its size (0.04 here), neither more (a scale misread)
     # nor none (the projections not really in FP8)
-    assert 0.01 < _rel(got, ref) < 0.06
+    assert 0.01 < rel_err(got, ref) < 0.06
 
 
 def test_fp8_checkpoint_dequantizes_where_fp8_does_not_run(tiny, reference):
@@ -232,7 +228,7 @@ def test_fp8_checkpoint_dequantizes_where_fp8_does_not_run(tiny, reference):
         assert e.loaded.quantization == "none"
         got = forward_logits(e, IDS)
         e.shutdown()
-        assert 0.005 < _rel(got, ref) < 0.05, source  # the weights' e4m3 rounding only (activations stay fp32)
+        assert 0.005 < rel_err(got, ref) < 0.05, source  # the weights' e4m3 rounding only (activations stay fp32)
 
 
 def test_fp8_head_and_greedy_generation(tiny, reference, fp8_anywhere):

@@ -14,17 +14,13 @@ from radixlm.kernels.decode_attention import decode_attention, decode_attention_
 from radixlm.kernels.extend_attention import extend_attention, extend_attention_ref, extend_block_m, extend_blocks
 from radixlm.kernels.rope import rope_and_store, rope_and_store_ref, to_cache
 from radixlm.srt.model_executor.kv_dtype import CALIBRATION_HEADROOM, FP8, FP8_MAX, resolve_kv_dtype
-from tests.helpers import forward_logits, make_tiny_checkpoint
+from tests.helpers import forward_logits, make_tiny_checkpoint, rel_err
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")
 SIZES = dict(
     hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05
 )
 IDS = [1, 504, 3575, 282, 4649, 314, 7042, 30, 198, 1780, 314, 260, 3575, 282, 19628, 47, 2, 17, 9, 300] * 3
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _pool(slots: int, kvh: int, d: int, scale: float, seed: int):
@@ -70,7 +66,7 @@ def test_decode_attention_reads_an_e4m3_pool(splits):
     rows, lens = torch.tensor([0, 1, 2]), torch.tensor([20, 7, 13])
     got = decode_attention(q, kc, vc, r2t, rows, lens, 0.125, splits, k_scale=0.02, v_scale=0.02 / 3)
     want = decode_attention_ref(q, kc, vc, r2t, rows, lens, 0.125, k_scale=0.02, v_scale=0.02 / 3)
-    assert _rel(got, want) < 1e-4
+    assert rel_err(got, want) < 1e-4
 
 
 @needs_triton
@@ -91,7 +87,7 @@ def test_decode_attention_dots_an_e4m3_pool_in_float16(splits):
     want = decode_attention_ref(q, kc, vc, r2t, rows, lens, 0.125, **scales)
     f16 = decode_attention(q, kc, vc, r2t, rows, lens, 0.125, splits, **scales)
     bf16 = decode_attention(q, kc, vc, r2t, rows, lens, 0.125, splits, f16_dot=False, **scales)
-    assert _rel(f16, want) < 0.01 and _rel(f16, want) <= _rel(bf16, want) * 1.1
+    assert rel_err(f16, want) < 0.01 and rel_err(f16, want) <= rel_err(bf16, want) * 1.1
     q_rows = torch.arange(b)
     ctl = torch.tensor([b, splits])
     out = torch.zeros_like(q)
@@ -114,7 +110,7 @@ def test_extend_attention_reads_an_e4m3_pool():
     args = (torch.tensor([0, 1]), torch.tensor(prefix), torch.tensor(ext))
     got = extend_attention(q, kc, vc, r2t, *args, torch.tensor([0, 7]), table, 0.125, k_scale=0.05, v_scale=0.05 / 3)
     want = extend_attention_ref(q, kc, vc, r2t, *args, 0.125, k_scale=0.05, v_scale=0.05 / 3)
-    assert _rel(got, want) < 1e-4
+    assert rel_err(got, want) < 1e-4
 
 
 def test_kv_dtype_choices_and_refusals():
@@ -155,10 +151,10 @@ def test_fp8_pool_engine_against_the_model_dtype_pool(tiny):
         assert all(0 < s < 1e3 and s != 1.0 for s in pool.k_scale + pool.v_scale)
         assert len(set(pool.k_scale)) > 1
         got = forward_logits(eng, IDS)
-        assert 0 < _rel(got, want) < 0.1
+        assert 0 < rel_err(got, want) < 0.1
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.85
         split = forward_logits(eng, IDS, split=25)  # the second part attends to a prefix read from the pool
-        assert _rel(split, got) < 1e-3
+        assert rel_err(split, got) < 1e-3
         out = eng.generate(input_ids=[IDS[:20]], sampling_params={"temperature": 0, "max_new_tokens": 12})
         assert len(out[0]["output_ids"]) == 12
         # the largest stored magnitude stays inside e4m3's range with the calibration's headroom to spare

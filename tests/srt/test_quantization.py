@@ -16,7 +16,7 @@ from radixlm.srt.model_loader.default_model import default_model_path
 from radixlm.srt.model_loader.gguf_loader import GGUFCheckpoint
 from radixlm.srt.model_loader.loader import resolve_quantization
 from radixlm.srt.server_args import ServerArgs
-from tests.helpers import forward_logits, make_tiny_checkpoint
+from tests.helpers import forward_logits, make_tiny_checkpoint, rel_err
 from tests.srt.test_model_correctness import PROMPT_IDS
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -39,10 +39,6 @@ def q_engine():
     engine = radixlm.Engine(log_level="warning", max_total_tokens=2048, quantization="gguf")
     yield engine
     engine.shutdown()
-
-
-def _rel(ref: torch.Tensor, x: torch.Tensor) -> float:
-    return ((x - ref).norm() / ref.norm()).item()
 
 
 def test_q4_1_packing_reproduces_gguf_dequantize():
@@ -96,7 +92,7 @@ def test_logits_close_to_fp32_within_bf16_error(fp32_engine, q_engine):
     bf16 activations (the same math without quantization) land in the same place."""
     ids = [fp32_engine.chat_ids([{"role": "user", "content": c}]) for c in CHATS]
     ref = [forward_logits(fp32_engine, i) for i in ids]
-    quant = [_rel(r, forward_logits(q_engine, i)) for r, i in zip(ref, ids)]
+    quant = [rel_err(forward_logits(q_engine, i), r) for r, i in zip(ref, ids)]
     ops = fp32_engine.runner.kernel_ops
 
     def bf16_linear(x, w, b=None):
@@ -110,7 +106,7 @@ def test_logits_close_to_fp32_within_bf16_error(fp32_engine, q_engine):
     )
     cpu_path, model.model.cpu_path = model.model.cpu_path, None  # the module path is the one that runs `ops`
     try:
-        bf16 = [_rel(r, forward_logits(fp32_engine, i)) for r, i in zip(ref, ids)]
+        bf16 = [rel_err(forward_logits(fp32_engine, i), r) for r, i in zip(ref, ids)]
     finally:
         model.set_kernel_ops(ops)
         model.model.cpu_path = cpu_path

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 import radixlm
 from radixlm.srt.distributed.parallel import TensorParallel
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import make_tiny_checkpoint, rel_err
 from tests.srt.tp_worker import run_rank
 
 IDS = [1, 504, 357, 282, 464, 314, 742, 30, 198, 178, 314, 260, 357, 282, 996, 47, 2, 17]
@@ -27,10 +27,6 @@ def _run(paths, size: int, tmp_path, quantization: str | list = "none") -> list[
     else:
         mp.start_processes(run_rank, args=args, nprocs=size, start_method="spawn")
     return torch.load(out)
-
-
-def _rel(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 # (architecture, extra config); every one at tp 2 in one group of processes, the first also at tp 4
@@ -79,7 +75,7 @@ def test_sharded_logits_match_one_rank(sharded):
             assert a["heads"] == (4 // size, max(1, 2 // size)), arch
             for key in ("whole", "split", "decode"):
                 assert a[key].shape == b[key].shape and b[key].shape[-1] == BASE["vocab_size"]
-                assert _rel(a[key], b[key]) < 1e-5, (arch, size, key)
+                assert rel_err(a[key], b[key]) < 1e-5, (arch, size, key)
                 assert torch.equal(a[key].argmax(-1), b[key].argmax(-1)), (arch, size, key)
 
 
@@ -94,9 +90,9 @@ def test_e4m3_kv_pool_at_tp2(sharded):
     for mine, whole in zip(two["kv_scales"], one["kv_scales"]):  # K, then V: a scale per layer
         assert len(mine) == len(whole) == 2 and all(0 < a <= b * (1 + 1e-6) for a, b in zip(mine, whole))
     for key in ("split", "decode"):
-        assert 1e-4 < _rel(one[key], ref[key]) < 0.06, key  # the pool's e4m3 rounding is there, and small
-        assert _rel(two[key], ref[key]) < 0.06, key
-    assert _rel(two["whole"], ref["whole"]) < 0.06
+        assert 1e-4 < rel_err(one[key], ref[key]) < 0.06, key  # the pool's e4m3 rounding is there, and small
+        assert rel_err(two[key], ref[key]) < 0.06, key
+    assert rel_err(two["whole"], ref["whole"]) < 0.06
 
 
 def test_layout_and_refusals():
@@ -159,8 +155,8 @@ def test_fp8_checkpoints_and_online_fp8_shard(sharded, tmp_path):
     two = fp8[2]
     assert len(two) == 5
     for a, b in zip(two, one):
-        assert _rel(a["whole"], b["whole"]) < 1e-5 and _rel(a["decode"], b["decode"]) < 1e-5
-        assert 0.001 < _rel(b["whole"], ref) < 0.05  # the checkpoints' e4m3 rounding is there
+        assert rel_err(a["whole"], b["whole"]) < 1e-5 and rel_err(a["decode"], b["decode"]) < 1e-5
+        assert 0.001 < rel_err(b["whole"], ref) < 0.05  # the checkpoints' e4m3 rounding is there
     for got in two[2:]:
-        assert 0.01 < _rel(got["whole"], ref) < 0.06
-        assert _rel(got["split"], got["whole"]) < 1e-4
+        assert 0.01 < rel_err(got["whole"], ref) < 0.06
+        assert rel_err(got["split"], got["whole"]) < 1e-4
