@@ -3,8 +3,8 @@ the 70B shape, FP8 weights) gain from computing in row pieces whose async all-re
 product? Times plain (the product, then one NCCL all-reduce) against pipelined (up to four pieces of at least
 512 rows, the all-reduces started as each piece is done), and each part alone (the product; the all-reduce):
 per call, median of the timed repeats, rank 0's clock. On 2 x H200 the pipelined call was no faster (results
-README, "Eighteenth session"), so the runtime does not pipeline; this stays for a later attempt (an SM carve-out
-for the GEMM, or copy-engine collectives, so that the two can run at once).
+README, "Eighteenth session"), so the runtime does not pipeline. `--carveouts` times it again with cuBLAS told
+to leave SMs free (torch's experimental SM carve-out), so that NCCL's kernels can run beside the GEMM: not yet run.
 
 Usage (a host with at least WORLD GPUs): python tools/prefill_overlap.py --world 2 --out F.json"""
 
@@ -80,6 +80,10 @@ def _worker(rank: int, world: int, init: str, args, out_q) -> None:
             row["all_reduce_ms"] = ms(lambda: tp.all_reduce(y))
             row["plain_ms"] = ms(lambda: plain(quant, x))
             row["pipelined_ms"] = ms(lambda: pipelined(quant, x))
+            for sms in args.carveouts:  # cuBLAS's GEMMs leave this many SMs to NCCL's kernels
+                torch._C._set_sm_carveout_experimental(sms)
+                row[f"pipelined_carveout{sms}_ms"] = ms(lambda: pipelined(quant, x))
+                torch._C._set_sm_carveout_experimental(None)
             a, b = plain(quant, x), pipelined(quant, x)
             row["max_abs_diff"] = (a.float() - b.float()).abs().max().item()  # a sum of two ranks: 0
             rows_out.append(row)
@@ -94,6 +98,9 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument(
+        "--carveouts", type=int, nargs="*", default=[16, 32], help="also time pipelined with cuBLAS leaving N SMs free"
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     ctx = torch.multiprocessing.get_context("spawn")
@@ -111,6 +118,7 @@ def main() -> None:
         print(
             f"{r['shape']:>5} {r['rows']:>5} | {r['product_ms']:8.3f} {r['all_reduce_ms']:8.3f} {r['plain_ms']:8.3f} "
             f"{r['pipelined_ms']:8.3f} {gain:5.2f}x  diff {r['max_abs_diff']:.3g}"
+            + "".join(f"  carve-out {c}: {r[f'pipelined_carveout{c}_ms']:.3f}" for c in args.carveouts)
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "repeats": args.repeats}
