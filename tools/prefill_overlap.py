@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository (this file: tools/)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
 
-from radixlm.srt.distributed.ranks import free_init_addr  # noqa: E402
+from rank_procs import rank0_result  # noqa: E402
 
 # (name, input features of the whole model, output features): the 70B's o and down projections
 SHAPES = [("o", 8192, 8192), ("down", 28672, 8192)]
@@ -103,15 +104,7 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    ctx = torch.multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    init = free_init_addr()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    rows = q.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
+    rows = rank0_result(_worker, args.world, args)
     print(f"{'shape':>5} {'rows':>5} | {'product':>8} {'all-red':>8} {'plain':>8} {'piped':>8} {'gain':>6}  (ms/call)")
     for r in rows:
         gain = r["plain_ms"] / r["pipelined_ms"]

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from radixlm.srt.distributed.ranks import free_init_addr  # noqa: E402
+from rank_procs import rank0_result  # noqa: E402  (this directory)
 
 CALLS = 64
 
@@ -85,15 +85,7 @@ def main() -> None:
         "times it past the size where the runtime hands over to NCCL",
     )
     args = ap.parse_args()
-    ctx = torch.multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    init = free_init_addr()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, q)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    rows = q.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
+    rows = rank0_result(_worker, args.world, args)
     head = f"{'hidden':>6} {'rows':>5} | {'NCCL+norm':>9} {'fused':>7} {'2-shot':>7} |"
     print(head + f" {'NCCL+norm':>9} {'fused':>7} {'2-shot':>7}  (us/call; bf16 rows | e4m3 rows; fused: one-shot)")
     for r in rows:
