@@ -46,13 +46,13 @@ class AllReduceNorm:
     the same calls in the same order."""
 
     def __init__(
-        self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int, max_rows=None, keep=(),
-        two_shot_past: int | None = None,
+        self, rank: int, world: int, peers: torch.Tensor, per_peer_bytes: int, grid_max: int,
+        max_rows: int | None = None, keep=(), two_shot_past: int | None = None,
     ):  # fmt: skip
         self.rank, self.world, self.peers = rank, world, peers
         self.per_peer_bytes, self.grid_max = per_peer_bytes, grid_max
-        self.max_rows = max_rows or 1 << 62
-        self.two_shot_past = two_shot_past or 1 << 62  # bytes of rows past which a call is two-shot
+        self.max_rows: int | None = max_rows  # None: as many rows as the buffer holds
+        self.two_shot_past: int | None = two_shot_past  # bytes of rows past which a call is two-shot; None: never
         self.state = torch.tensor([1, 0], dtype=torch.int64, device=peers.device)  # [epoch, programs done]
         self._keep = keep
 
@@ -61,7 +61,8 @@ class AllReduceNorm:
             x.dim() == 2
             and x.dtype in _DTYPES
             and x.stride(1) == 1
-            and 0 < x.shape[0] <= self.max_rows
+            and 0 < x.shape[0]
+            and (self.max_rows is None or x.shape[0] <= self.max_rows)
             and x.shape[0] * x.shape[1] * x.element_size() <= self.per_peer_bytes
         )
 
@@ -70,7 +71,7 @@ class AllReduceNorm:
         residual) with `quant`; residual is updated in place (kernels/allreduce_norm.allreduce_rmsnorm).
         `two_shot`: the scheme (default: two-shot past `two_shot_past` bytes of rows)."""
         if two_shot is None:
-            two_shot = x.numel() * x.element_size() > self.two_shot_past
+            two_shot = self.two_shot_past is not None and x.numel() * x.element_size() > self.two_shot_past
         return allreduce_rmsnorm(
             x, residual, weight, eps, self.peers, self.state, self.rank, self.world, self.per_peer_bytes,
             self.grid_max, quant, two_shot,
@@ -154,7 +155,7 @@ def _probe(fused: AllReduceNorm, tp, device) -> tuple[bool, str]:
     w = torch.ones(n, dtype=torch.bfloat16, device=device)
     want = 1 + tp.size * (tp.size + 1) / 2
     why = ""
-    for two_shot in (False, False, True, True) if fused.two_shot_past < 1 << 62 else (False, False):
+    for two_shot in (False, False, True, True) if fused.two_shot_past is not None else (False, False):
         x = torch.full((4, n), float(tp.rank + 1), dtype=torch.bfloat16, device=device)
         residual = torch.ones(4, n, dtype=torch.bfloat16, device=device)
         _, residual = fused(x, residual, w, 1e-6, two_shot=two_shot)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import group_alive
+from tests.helpers import die_with_test, group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds per example
@@ -43,6 +43,7 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=die_with_test,
         env=env,
     )
     try:

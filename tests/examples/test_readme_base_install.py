@@ -44,7 +44,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.helpers import group_alive
+from tests.helpers import die_with_test, group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -209,6 +209,7 @@ def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), 
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=die_with_test,
     )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)

@@ -23,6 +23,9 @@ def _try_lock(path) -> bool:
 
 
 def _hold(path, held, release, die: bool) -> None:
+    from tests.helpers import die_with_test
+
+    die_with_test()
     with exclusive(path):
         held.set()
         release.wait(60)

@@ -81,7 +81,7 @@ def _shared_prefix_run(url: str, requests) -> tuple[float, list[str]]:
 def test_cache_aware_keeps_prefix_hits_that_round_robin_loses(dp, rr):
     rng = random.Random(0)
     systems = [f"System {g}: " + " ".join(rng.choice(WORDS) for _ in range(100)) for g in range(8)]
-    requests = [(systems[rng.randrange(8)], f"Question {i}: what is {rng.choice(WORDS)}?") for i in range(64)]
+    requests = [(systems[rng.randrange(8)], f"Question {i}: what is {rng.choice(WORDS)}?") for i in range(32)]
     aware, aware_answers = _shared_prefix_run(dp.url, requests)
     spread, spread_answers = _shared_prefix_run(rr.url, requests)
     assert aware >= 0.7, aware

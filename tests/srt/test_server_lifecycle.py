@@ -164,19 +164,26 @@ def test_overloaded_answers_503(guarded):
 
 def test_sigterm_shuts_down_cleanly():
     import os
+    import shutil
+    import tempfile
 
-    before = set(glob.glob("/tmp/radixlm-ipc-*"))
-    cpu = max(os.sched_getaffinity(0))
-    srv = ServerProcess("--max-total-tokens", "4096", "--scheduler-cpus", str(cpu))
-    pids = httpx.get(f"{srv.url}/get_server_info").json()["process_ids"]
-    assert os.sched_getaffinity(pids["scheduler"]) == {cpu}  # pinned as asked; the others left alone
-    assert os.sched_getaffinity(pids["detokenizer"]) == os.sched_getaffinity(0)
-    assert len(set(glob.glob("/tmp/radixlm-ipc-*")) - before) == 1
-    start = time.monotonic()
-    assert srv.stop(timeout=20) == 0
-    assert time.monotonic() - start < 10
-    assert not any(pid_alive(p) for p in pids.values())
-    assert set(glob.glob("/tmp/radixlm-ipc-*")) == before
+    # a temporary folder of this server's own (short: socket paths are limited to 107 bytes): the other worker's
+    # servers make and remove their sockets' folders in /tmp meanwhile
+    tmp = tempfile.mkdtemp(prefix="rl-")
+    try:
+        cpu = max(os.sched_getaffinity(0))
+        srv = ServerProcess("--max-total-tokens", "4096", "--scheduler-cpus", str(cpu), env={"TMPDIR": tmp})
+        pids = httpx.get(f"{srv.url}/get_server_info").json()["process_ids"]
+        assert os.sched_getaffinity(pids["scheduler"]) == {cpu}  # pinned as asked; the others left alone
+        assert os.sched_getaffinity(pids["detokenizer"]) == os.sched_getaffinity(0)
+        assert len(glob.glob(f"{tmp}/radixlm-ipc-*")) == 1
+        start = time.monotonic()
+        assert srv.stop(timeout=20) == 0
+        assert time.monotonic() - start < 10
+        assert not any(pid_alive(p) for p in pids.values())
+        assert glob.glob(f"{tmp}/radixlm-ipc-*") == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_killed_scheduler_makes_server_exit_nonzero():
