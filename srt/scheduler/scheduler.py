@@ -176,6 +176,12 @@ class Scheduler:
         return self._apply(self.outputs.process(batch))
 
     def _step_overlap(self) -> list[TokenOutput]:
+        outputs: list[TokenOutput] = []
+        if self.inflight is not None and self.inflight.drafts is not None:
+            # how many of a verify step's tokens were accepted is known only once it is processed: nothing is
+            # scheduled after one before that
+            outputs = self._apply(self.outputs.process(self.inflight))
+            self.inflight = None
         if self._spec_pause > 0:  # nobody drafted lately: keep the overlap this step (see _no_drafts)
             self._spec_pause -= 1
         elif self._speculating():
@@ -183,11 +189,17 @@ class Scheduler:
             # Drafts are looked up on the host from every token so far, so a speculative step cannot be scheduled
             # while the previous one is still on the device: these steps run in order (as SGLang does with its
             # n-gram drafts). Large batches, which overlap helps most, draft only where it measured faster (SpecGate).
-            outputs = []
+            # The step launched here stays in flight until the next step: its predecessor's outputs are streamed
+            # and new requests received while the device computes it (sampled already: it is processed as an
+            # early-sampled step would be).
             if self.inflight is not None:
-                outputs = self._apply(self.outputs.process(self.inflight))
+                outputs += self._apply(self.outputs.process(self.inflight))
                 self.inflight = None
-            return outputs + self._step_plain()
+            batch = self._launch_forward(self._schedule(verify=True))
+            if batch is not None and self._launch_sample(batch):
+                self.inflight = batch
+                self.last_step.sampled_early = True
+            return outputs
         # Sampling that reads nothing from the step in flight is launched with the forward, so the device has
         # the whole step queued while the host processes the previous one; grammar masks and penalties need
         # that step's tokens, so such a batch samples after it is processed.
@@ -195,9 +207,8 @@ class Scheduler:
         early = batch is not None and self._samples_early(batch)
         if early and not self._launch_sample(batch):
             batch = None
-        outputs: list[TokenOutput] = []
         if self.inflight is not None:
-            outputs = self._apply(self.outputs.process(self.inflight, None if early else batch))
+            outputs += self._apply(self.outputs.process(self.inflight, None if early else batch))
         self.inflight = None
         if batch is not None and not early and not self._launch_sample(batch):
             batch = None
