@@ -40,6 +40,14 @@ _SLOWEST_FIRST = (
 )
 
 
+def pytest_configure(config):
+    # xdist (3.x) hands out the files with the most tests first unless told not to, which undid this order: the
+    # few-test, many-process files (router, tensor parallel) ran last, side by side, when both workers had grown
+    # largest, and a 24 GiB CI machine ran out of memory. Set here, not in addopts: the GPU machine has no xdist.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
     tests = Path(__file__).resolve().parent
     rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
