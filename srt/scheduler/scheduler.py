@@ -287,7 +287,8 @@ class Scheduler:
     # --- schedule ------------------------------------------------------------------------------------------
     def _schedule(self, verify: bool = False) -> ScheduledBatch | None:
         """The next batch. `verify`: a speculative verify step may be scheduled (only where it is processed
-        before the next schedule, with every earlier token on the host: the plain loop)."""
+        before the next schedule, with every earlier token on the host: the plain loop, and the overlap loop's
+        in-order steps)."""
         batch = self._schedule_extend()
         if batch is not None:
             return batch
