@@ -19,6 +19,18 @@ def configure_logging(level: str, prefix: str = "") -> None:
     )
 
 
+# Looked up once, on import: kill_on_parent_death may run between fork and exec (a Popen preexec_fn), where
+# loading a library could wait forever on a lock some thread of the parent held when it forked.
+_PRCTL = getattr(ctypes.CDLL(None), "prctl", None)  # Linux's; None elsewhere
+
+
+def kill_on_parent_death() -> None:
+    """SIGKILL this process when the one that started it dies (PR_SET_PDEATHSIG; nothing where there is no prctl).
+    Safe as a Popen preexec_fn."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)
+
+
 def die_with_parent() -> None:
     """Children of the server get SIGKILL if the launching process dies, so no orphan outlives it; they ignore
     SIGINT (a terminal's Ctrl-C reaches the whole group) and leave shutdown to the parent."""
@@ -29,11 +41,7 @@ def die_with_parent() -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    kill_on_parent_death()
 
 
 def freeze_startup_objects() -> None:

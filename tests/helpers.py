@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 from pathlib import Path
 
 import torch
 
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+# test-started servers and routers die with the test's process: a worker killed (for memory, say) must not leave
+# them running for the rest of the suite
+from radixlm.srt.utils import kill_on_parent_death
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GRAMMAR_BACKENDS = ("outlines", "xgrammar", "llguidance")
@@ -198,7 +200,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(self.port), "--log-level", "warning", *args]
         self.log = open(os.devnull, "w") if os.environ.get("RADIXLM_TEST_QUIET") else None
         self.proc = subprocess.Popen(
-            cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log, preexec_fn=die_with_test
+            cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log, preexec_fn=kill_on_parent_death
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -219,18 +221,6 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
-
-
-# looked up here, not between fork and exec (where the loader's lock may be held by a thread that was not copied)
-_PRCTL = ctypes.CDLL(None).prctl
-
-
-def die_with_test() -> None:
-    """SIGKILL this process when the test process that started it dies (Popen's preexec_fn, or the first call of a
-    spawned process's target). A test's own cleanup cannot run once its process is killed (the OOM killer ending an
-    xdist worker, say): its servers and ranks would otherwise live on, holding memory and CPU for the rest of the
-    suite. Servers' own children already die with the server (srt.utils.die_with_parent)."""
-    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux, where the suite runs)
 
 
 def free_port() -> int:
@@ -315,7 +305,7 @@ class RouterProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "radixlm.cli", "router", "--port", str(self.port), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, preexec_fn=die_with_test)
+        self.proc = subprocess.Popen(cmd, preexec_fn=kill_on_parent_death)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "router exited during start-up"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import die_with_test, group_alive
+from radixlm.srt.utils import kill_on_parent_death
+from tests.helpers import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds per example
@@ -43,7 +44,7 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=die_with_test,
+        preexec_fn=kill_on_parent_death,
         env=env,
     )
     try:

@@ -44,7 +44,8 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.helpers import die_with_test, group_alive
+from radixlm.srt.utils import kill_on_parent_death
+from tests.helpers import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -209,7 +210,7 @@ def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), 
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=die_with_test,
+        preexec_fn=kill_on_parent_death,
     )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)

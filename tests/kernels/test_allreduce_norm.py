@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from radixlm.kernels import HAS_TRITON
-from tests.helpers import die_with_test, rel_err
+from radixlm.srt.utils import kill_on_parent_death
+from tests.helpers import rel_err
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (in the test extra)")
 
@@ -220,7 +221,7 @@ def _shm_rank(rank: int, world: int, names: list[str], n: int, out) -> None:
 
     from radixlm.srt.distributed.fused_all_reduce import AllReduceNorm
 
-    die_with_test()  # a rank left waiting for its peers' flags would spin for the rest of the suite
+    kill_on_parent_death()  # a rank left waiting for its peers' flags would spin for the rest of the suite
     try:
         grid, calls = _SHM_PLANS[world]
         segments = [shared_memory.SharedMemory(name=name) for name in names]

@@ -23,9 +23,9 @@ def _try_lock(path) -> bool:
 
 
 def _hold(path, held, release, die: bool) -> None:
-    from tests.helpers import die_with_test
+    from radixlm.srt.utils import kill_on_parent_death
 
-    die_with_test()
+    kill_on_parent_death()
     with exclusive(path):
         held.set()
         release.wait(60)

@@ -20,10 +20,10 @@ def run_rank(
 
     from radixlm.srt.distributed.parallel import SINGLE, init_tensor_parallel
     from radixlm.srt.layers.quantization import fp8
-    from tests.helpers import die_with_test
+    from radixlm.srt.utils import kill_on_parent_death
 
     if size > 1:  # a spawned rank (tp 1 runs in the test's process)
-        die_with_test()
+        kill_on_parent_death()
     torch.set_num_threads(1)
     methods = [quantization] * len(paths) if isinstance(quantization, str) else list(quantization)
     if "fp8" in methods:
