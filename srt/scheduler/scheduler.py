@@ -180,8 +180,7 @@ class Scheduler:
         if self.inflight is not None and self.inflight.drafts is not None:
             # how many of a verify step's tokens were accepted is known only once it is processed: nothing is
             # scheduled after one before that
-            outputs = self._apply(self.outputs.process(self.inflight))
-            self.inflight = None
+            outputs = self._process_inflight()
         if self._spec_pause > 0:  # nobody drafted lately: keep the overlap this step (see _no_drafts)
             self._spec_pause -= 1
         elif self._speculating():
@@ -192,9 +191,7 @@ class Scheduler:
             # The step launched here stays in flight until the next step: its predecessor's outputs are streamed
             # and new requests received while the device computes it (sampled already: it is processed as an
             # early-sampled step would be).
-            if self.inflight is not None:
-                outputs += self._apply(self.outputs.process(self.inflight))
-                self.inflight = None
+            outputs += self._process_inflight()
             batch = self._launch_forward(self._schedule(verify=True))
             if batch is not None and self._launch_sample(batch):
                 self.inflight = batch
@@ -207,15 +204,20 @@ class Scheduler:
         early = batch is not None and self._samples_early(batch)
         if early and not self._launch_sample(batch):
             batch = None
-        if self.inflight is not None:
-            outputs += self._apply(self.outputs.process(self.inflight, None if early else batch))
-        self.inflight = None
+        outputs += self._process_inflight(None if early else batch)
         if batch is not None and not early and not self._launch_sample(batch):
             batch = None
         if batch is not None:
             self.inflight = batch
             self.last_step.sampled_early = early
         return outputs
+
+    def _process_inflight(self, following: ScheduledBatch | None = None) -> list[TokenOutput]:
+        """Process the step in flight, if any (`following`: see OutputProcessor.process); none is left after."""
+        if self.inflight is None:
+            return []
+        batch, self.inflight = self.inflight, None
+        return self._apply(self.outputs.process(batch, following))
 
     def _no_drafts(self) -> None:
         """A step that could have verified drafts found none. Under overlap, drafting runs steps in order (their
@@ -247,9 +249,7 @@ class Scheduler:
         """Empty the radix cache; refused (False) while requests are in flight."""
         if self.waiting or self.running or self.chunked:
             return False
-        if self.inflight is not None:  # only finished requests' extra tokens are left in it
-            self._outputs += self._apply(self.outputs.process(self.inflight))
-            self.inflight = None
+        self._outputs += self._process_inflight()  # only finished requests' extra tokens are left in it
         return self.tree_cache.flush()
 
     def get_stats(self) -> dict:
