@@ -6,6 +6,12 @@ it, the forward and the sampling (synchronous on a CPU), and prints per step kin
 Python. With --profile, a cProfile table of that rest (forward and sampling excluded).
 
     python tools/spec_host_time.py --output-len 160 [--profile] [--torch-profile 30] [--draft-tokens 8] [key=value]
+
+Where the GGUF cannot travel (the GPU machine), the same step shapes with dummy weights and the benchmark's forced
+acceptance (drafts = the plain run's answer, each token right with probability P):
+
+    python tools/spec_host_time.py --model-path benchmarks/configs/smollm2-135m --forced-acceptance 0.9 \
+        load_format=dummy tokenizer_path=TOK attention_backend=triton
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import torch  # noqa: E402
-from bench_speculative import prompts  # noqa: E402
+from bench_speculative import ForcedDrafter, force_verify, prompts  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from workloads import engine_kwargs  # noqa: E402
 
@@ -36,6 +42,8 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--torch-profile", type=int, default=0, help="print torch.profiler's top N ops (ngram run)")
     ap.add_argument("--draft-tokens", type=int, default=None)
+    ap.add_argument("--model-path", default=None, help="default: the embedded model")
+    ap.add_argument("--forced-acceptance", type=float, default=None, help="bench_speculative's forced workload")
     ap.add_argument("--steps", action="store_true", help="print the ngram run's steps in order: mode, tokens, output")
     ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
     args = ap.parse_args()
@@ -43,12 +51,19 @@ def main() -> None:
     spec = dict(speculative_algorithm="ngram")
     if args.draft_tokens:
         spec["speculative_num_draft_tokens"] = args.draft_tokens
+    forced = args.forced_acceptance is not None
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": forced}
+    answers: dict[tuple[int, ...], list[int]] = {}
     for name, extra in (("plain", {}), ("ngram", spec)):
-        e = radixlm.Engine(None, **kw, **extra)
+        e = radixlm.Engine(args.model_path, **kw, **extra)
         sch, runner = e.scheduler, e.runner
-        ids = prompts(e, "copy", args.batch_size)
+        ids = prompts(e, "free" if forced else "copy", args.batch_size)
         e.generate(input_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 0})  # warm
         e.flush_cache()
+        if forced and name == "ngram":  # drafts: the plain run's answers, spoiled token by token
+            p_right = args.forced_acceptance
+            sch.drafter = sch.outputs.drafter = ForcedDrafter(sch.drafter, answers, p_right, runner.vocab_size)
+            force_verify(sch.outputs, sch.drafter)
         inner = defaultdict(float)
         for fn in ("run_forward", "sample"):
             orig = getattr(runner, fn)
@@ -100,8 +115,10 @@ def main() -> None:
             tprof = profile(activities=acts)
         with tprof or contextlib.nullcontext():
             t0 = time.perf_counter()
-            outs = e.generate(input_ids=ids, sampling_params={"max_new_tokens": args.output_len, "temperature": 0})
+            outs = e.generate(input_ids=ids, sampling_params=params)
             wall = time.perf_counter() - t0
+        if name == "plain":
+            answers = {tuple(p): o["output_ids"] for p, o in zip(ids, outs)}
         if tprof is not None:
             avg = tprof.key_averages()
             print(avg.table(sort_by="cpu_time_total", row_limit=args.torch_profile, max_name_column_width=60))

@@ -59,6 +59,10 @@ class ReqToTokenPool:
         return self.host[idx, :length].to(torch.int64)
 
 
+# Freed pieces kept apart before they are joined into one (bounds the list; joining them costs what they hold).
+_MAX_FREED_PIECES = 1024
+
+
 class TokenToKVPool:
     """K and V of every layer in two tensors [layers, slots + 1, kv_heads, head_dim]; slot 0 is padding.
 
@@ -83,22 +87,39 @@ class TokenToKVPool:
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        # Freed slots wait here and join the free list only when an allocation needs them: appending to one
+        # tensor on every free copied the whole list (O(pool) per finish or rejected draft: milliseconds for
+        # the millions of slots a large card's pool has).
+        self._freed: list[torch.Tensor] = []
+        self._freed_n = 0
 
     def available_size(self) -> int:
-        return len(self._free)
+        return len(self._free) + self._freed_n
 
     def alloc(self, n: int) -> torch.Tensor | None:
         if n > len(self._free):
-            return None
+            if n > self.available_size():
+                return None
+            self._merge()
         out, self._free = self._free[:n], self._free[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if len(slots):
-            self._free = torch.cat([self._free, slots.to("cpu", torch.int64)])
+            # a copy: the caller's tensor may be a view of a table whose row is reused
+            self._freed.append(slots.to("cpu", torch.int64, copy=True))
+            self._freed_n += len(slots)
+            if len(self._freed) >= _MAX_FREED_PIECES:
+                self._freed = [torch.cat(self._freed)]
 
     def free_slots(self) -> torch.Tensor:
+        self._merge()
         return self._free
+
+    def _merge(self) -> None:
+        if self._freed:
+            self._free = torch.cat([self._free, *self._freed])
+            self._freed, self._freed_n = [], 0
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         from radixlm.kernels.rope import store_rows, to_cache
