@@ -38,6 +38,7 @@ import radixlm  # first: it sets OpenMP's passive wait before torch loads the ru
 
 # isort: split
 import random
+import statistics
 
 from workloads import engine_kwargs
 
@@ -123,12 +124,17 @@ def force_verify(outputs, drafter: ForcedDrafter) -> None:
     outputs._process_verify = forced
 
 
+STEP_COUNTS = ("decode_steps", "spec_verify_steps", "spec_in_order_steps", "spec_unpaid_steps", "spec_gate_closures")
+
+
 def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False) -> dict:
     engine.flush_cache()
     params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
+    before = [getattr(engine.scheduler.stats, k) for k in STEP_COUNTS]
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=ids, sampling_params=params)
     wall = time.perf_counter() - t0
+    counts = {k: getattr(engine.scheduler.stats, k) - b for k, b in zip(STEP_COUNTS, before)}
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     drafted = sum(o["meta_info"].get("spec_draft_tokens", 0) for o in outs)
     accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
@@ -142,6 +148,7 @@ def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False)
         "accept_rate": accepted / drafted if drafted else None,
         "accept_length": (accepted + steps) / steps if steps else None,
         "outputs": [o["output_ids"] for o in outs],
+        "steps": counts,
     }
 
 
@@ -185,10 +192,12 @@ def main():
                         sch.drafter, answers, args.forced_acceptance, engines["ngram"].runner.vocab_size
                     )
                     force_verify(sch.outputs, sch.drafter)
-                res = {}
+                res, ratios, ngram_steps = {}, [], []
                 for _ in range(args.repeats):  # in turn, so that a slow spell of the host hits both alike
-                    for name, e in engines.items():
-                        r = run(e, ids, args.output_len, ignore_eos=forced)
+                    pair = {name: run(e, ids, args.output_len, ignore_eos=forced) for name, e in engines.items()}
+                    ratios.append(pair["ngram"]["tok_s"] / pair["plain"]["tok_s"])
+                    ngram_steps.append(pair["ngram"]["steps"])
+                    for name, r in pair.items():
                         if name not in res or r["wall_s"] < res[name]["wall_s"]:
                             res[name] = r
                 same = res["plain"]["outputs"] == res["ngram"]["outputs"]
@@ -198,6 +207,11 @@ def main():
                     "plain_tok_s": res["plain"]["tok_s"],
                     "ngram_tok_s": res["ngram"]["tok_s"],
                     "speedup": res["ngram"]["tok_s"] / res["plain"]["tok_s"],
+                    # each repeat's ngram run over the plain run just before it: the host's slow spells hit
+                    # a pair alike, so their median is steadier than the ratio of the two best runs
+                    "speedup_median": statistics.median(ratios),
+                    "speedup_pairs": ratios,
+                    "ngram_steps": ngram_steps,
                     "plain_itl_ms": res["plain"]["itl_ms"],
                     "ngram_itl_ms": res["ngram"]["itl_ms"],
                     "accept_rate": res["ngram"]["accept_rate"],
@@ -205,11 +219,16 @@ def main():
                     "same_outputs": same,
                 }
                 rows.append(row)
+                last = ngram_steps[-1]
                 print(
                     f"{workload:5s} bs {bs:4d}: plain {row['plain_tok_s']:8.1f} tok/s, ngram "
-                    f"{row['ngram_tok_s']:8.1f} ({row['speedup']:.2f}x); ITL {row['plain_itl_ms']:.1f} -> "
+                    f"{row['ngram_tok_s']:8.1f} ({row['speedup']:.2f}x; paired median {row['speedup_median']:.2f}x, "
+                    f"{min(ratios):.2f}-{max(ratios):.2f}); ITL {row['plain_itl_ms']:.1f} -> "
                     f"{row['ngram_itl_ms']:.1f} ms; accepted {row['accept_rate'] or 0:.2f}, "
-                    f"{row['accept_length'] or 0:.2f} tok/verify; same outputs {same}",
+                    f"{row['accept_length'] or 0:.2f} tok/verify; same outputs {same}; last ngram run: "
+                    f"{last['decode_steps']} decode steps ({last['spec_verify_steps']} verify, "
+                    f"{last['spec_in_order_steps']} in order, {last['spec_unpaid_steps']} drafts dropped), "
+                    f"{last['spec_gate_closures']} gate closures",
                     flush=True,
                 )
     finally:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from radixlm.srt.speculative.ngram import NgramIndex
 
 _MAX_SKIP = 16
+_UNPAID_RECOVERY = 0.1  # share of the gap to 1 a request's acceptance regains each time its draft is dropped
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,16 @@ class SpecConfig:
         cpu = device_type == "cpu"
         return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max,
                    args.speculative_max_batch_size, 0.7 if cpu else 0.0, ramp_doubles=not cpu)  # fmt: skip
+
+
+def expected(reqs: list, drafts: list[list[int]]) -> float:
+    """The draft tokens a verify step should keep: each request's draft tokens in a row, each held with the
+    request's running acceptance a (a + a^2 + ... + a^len)."""
+    total = 0.0
+    for r, d in zip(reqs, drafts):
+        a = min(max(r.spec_rate, 0.0), 1.0)
+        total += len(d) if a >= 1.0 else a * (1.0 - a ** len(d)) / (1.0 - a)
+    return total
 
 
 class Drafter:
@@ -107,6 +118,18 @@ class Drafter:
             r.spec_index = NgramIndex(self.cfg.ngram_min, self.cfg.ngram_max)
         r.spec_index.sync(seq, r.epoch)
         return r.spec_index.propose(k)
+
+    @staticmethod
+    def paying(reqs: list, drafts: list[list[int]], gate) -> list[list[int]]:
+        """`drafts`, or none where the gate finds they would not pay for a verify step (SpecGate.pays). Then
+        their requests' running acceptance, which only verify steps measure, creeps back toward 1, so a request
+        whose text turned copyable drafts again after some looks (spaced 1, 2, 4 ... 16 steps under overlap)."""
+        if gate is None or not any(drafts) or gate.pays(len(reqs), expected(reqs, drafts)):
+            return drafts
+        for r, d in zip(reqs, drafts):
+            if d:
+                r.spec_rate += _UNPAID_RECOVERY * (1.0 - r.spec_rate)
+        return [[] for _ in drafts]
 
     def record(self, r, drafted: int, accepted: int) -> None:
         """After a verify step: the request's counters, its draft length and its back-off."""
