@@ -26,9 +26,9 @@ switch drains or refills the overlap pipeline, which is neither mode's own cost)
 Within an open bucket each step's drafts must also pay for their verify step (`pays`): n requests decode n
 tokens in a step of 1 / plain rate, and a verify step, which takes `verify_seconds` (measured: a steady verify
 step after a verify step, so its wait for the device and its host work in order are in it), must give more. It
-gives n tokens plus the drafts' expected accepted tokens (each draft token held with its request's running
-acceptance, in a row): a batch of half-wrong drafts at 8 requests is dropped, the same batch at one request or
-copying at 8 is not. Stretch judging still decides whether the bucket is open at all."""
+gives n tokens plus the drafts' expected accepted tokens (k draft tokens a drafting request, each held with its
+running acceptance, in a row): a batch of half-wrong drafts at 8 requests is dropped, the same batch at one
+request or copying at 8 is not. Stretch judging still decides whether the bucket is open at all."""
 
 from __future__ import annotations
 

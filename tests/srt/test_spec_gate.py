@@ -9,7 +9,7 @@ import pytest
 
 import radixlm
 from radixlm.srt.speculative import gate as g
-from radixlm.srt.speculative.drafter import Drafter, expected
+from radixlm.srt.speculative.drafter import Drafter, SpecConfig, expected
 from tests.helpers import assert_engine_idle
 
 
@@ -100,22 +100,26 @@ def test_a_verify_step_must_pay_for_itself():
 
 def test_expected_accepted_tokens_and_dropped_drafts():
     class R:
-        def __init__(self, rate):
-            self.spec_rate = rate
+        def __init__(self, rate, drafted=0, accepted=0):
+            self.spec_rate, self.spec_draft_tokens, self.spec_accepted_tokens = rate, drafted, accepted
 
-    reqs = [R(1.0), R(0.5), R(0.0)]
-    drafts = [[1, 2, 3], [4, 5], [6]]
-    assert expected(reqs, drafts) == pytest.approx(3 + 0.5 + 0.25 + 0.0)
+    reqs = [R(1.0), R(0.5), R(0.0), R(0.9)]
+    drafts = [[1, 2, 3], [4], [6], []]
+    # k draft tokens a drafting request whatever this draft's length (a short draft after a miss grows back)
+    assert expected(reqs, drafts, 3) == pytest.approx(3 + (0.5 + 0.25 + 0.125) + 0.0)
+    # one bad draft halves the running rate of a request that copied well so far: its record counts
+    assert expected([R(0.45, drafted=40, accepted=36)], [[1]], 2) == pytest.approx(0.9 + 0.81)
 
     class Never:
         def pays(self, n, e):
             return False
 
-    assert Drafter.paying(reqs, drafts, None) is drafts
-    assert Drafter.paying(reqs, [[], [], []], Never()) == [[], [], []]
-    assert Drafter.paying(reqs, drafts, Never()) == [[], [], []]
+    drafter = Drafter(SpecConfig(3, 1, 3, None), None, 1024)
+    assert drafter.paying(reqs, drafts, None) is drafts
+    assert drafter.paying(reqs, [[], [], [], []], Never()) == [[], [], [], []]
+    assert drafter.paying(reqs, drafts, Never()) == [[], [], [], []]
     # a dropped draft's request regains some of its acceptance, so that it drafts again some looks later
-    assert [r.spec_rate for r in reqs] == pytest.approx([1.0, 0.55, 0.1])
+    assert [r.spec_rate for r in reqs] == pytest.approx([1.0, 0.55, 0.1, 0.9])
 
 
 def test_drafts_that_do_not_pay_are_dropped_and_answers_stay_plain_decodings():
