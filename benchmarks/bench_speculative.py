@@ -124,7 +124,7 @@ def force_verify(outputs, drafter: ForcedDrafter) -> None:
     outputs._process_verify = forced
 
 
-STEP_COUNTS = ("decode_steps", "spec_verify_steps", "spec_in_order_steps", "spec_unpaid_steps", "spec_gate_closures")
+STEP_COUNTS = ("decode_steps", "spec_verify_steps", "spec_in_order_steps", "spec_gate_closures")
 
 
 def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False) -> dict:
@@ -227,8 +227,7 @@ def main():
                     f"{row['ngram_itl_ms']:.1f} ms; accepted {row['accept_rate'] or 0:.2f}, "
                     f"{row['accept_length'] or 0:.2f} tok/verify; same outputs {same}; last ngram run: "
                     f"{last['decode_steps']} decode steps ({last['spec_verify_steps']} verify, "
-                    f"{last['spec_in_order_steps']} in order, {last['spec_unpaid_steps']} drafts dropped), "
-                    f"{last['spec_gate_closures']} gate closures",
+                    f"{last['spec_in_order_steps']} in order), {last['spec_gate_closures']} gate closures",
                     flush=True,
                 )
     finally:

@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--torch-profile", type=int, default=0, help="print torch.profiler's top N ops (ngram run)")
     ap.add_argument("--draft-tokens", type=int, default=None)
     ap.add_argument("--model-path", default=None, help="default: the embedded model")
+    ap.add_argument("--warm-runs", type=int, default=0, help="untimed runs of the measured one before it")
     ap.add_argument("--forced-acceptance", type=float, default=None, help="bench_speculative's forced workload")
     ap.add_argument("--steps", action="store_true", help="print the ngram run's steps in order: mode, tokens, output")
     ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
@@ -104,6 +105,9 @@ def main() -> None:
                 seq.append((kind, sch.last_step.tokens, len(r.output_ids) if r is not None else -1))
             return out
 
+        for _ in range(args.warm_runs):  # the verify steps' shapes compile here, not in the measured run
+            e.generate(input_ids=ids, sampling_params=params)
+            e.flush_cache()
         seq: list[tuple[str, int, int]] = []
         sch.step = traced
         prof = cProfile.Profile() if args.profile else None

@@ -163,16 +163,10 @@ class Scheduler:
         st.busy_seconds += elapsed
         if gate is not None:
             n, is_open, extends, tokens = gate
-            verify = self.last_step is not None and self.last_step.mode == "verify"
             self.spec_gate.observe(
-                None if st.extend_steps != extends or n == 0 else is_open,
-                n,
-                st.generated_tokens - tokens,
-                elapsed,
-                verify,
+                None if st.extend_steps != extends or n == 0 else is_open, n, st.generated_tokens - tokens, elapsed
             )
             st.spec_gate_closures = self.spec_gate.closures
-            st.spec_unpaid_steps = self.spec_gate.unpaid
         return outputs
 
     def _step_plain(self) -> list[TokenOutput]:
@@ -324,7 +318,6 @@ class Scheduler:
         drafts, mask = self.drafter.propose(reqs, self.kv.room() - len(reqs)), None
         if any(drafts):
             drafts, mask = self.grammar.draft_masks(reqs, drafts)
-        drafts = self.drafter.paying(reqs, drafts, self.spec_gate)
         if not any(drafts):
             self._no_drafts()
             return None

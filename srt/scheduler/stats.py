@@ -26,7 +26,6 @@ class SchedulerStats:
     spec_accepted_tokens: int = 0
     spec_in_order_steps: int = 0  # overlap: steps run in order to look for drafts (see Scheduler._no_drafts)
     spec_gate_closures: int = 0  # times a batch-size bucket stopped drafting because drafting lost (gate.py)
-    spec_unpaid_steps: int = 0  # steps whose drafts were dropped: too few expected tokens for a verify step
 
     @property
     def cache_hit_rate(self) -> float:

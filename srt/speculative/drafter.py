@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from radixlm.srt.speculative.ngram import NgramIndex
 
 _MAX_SKIP = 16
-_UNPAID_RECOVERY = 0.1  # share of the gap to 1 a request's acceptance regains each time its draft is dropped
 
 
 @dataclass(frozen=True)
@@ -59,21 +58,6 @@ class SpecConfig:
         cpu = device_type == "cpu"
         return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max,
                    args.speculative_max_batch_size, 0.7 if cpu else 0.0, ramp_doubles=not cpu)  # fmt: skip
-
-
-def expected(reqs: list, drafts: list[list[int]], k: int) -> float:
-    """The draft tokens a verify step of these drafts is worth: for each request that drafts, k draft tokens in a
-    row, each held with the request's running acceptance a (a + a^2 + ... + a^k). k, not this draft's length: a
-    request drafts short after a miss and doubles from there while it holds, and a short draft dropped would
-    never grow back. a: the larger of the request's running acceptance (which one bad draft halves) and its
-    acceptance so far (which a copying request keeps through an occasional miss)."""
-    total = 0.0
-    for r, d in zip(reqs, drafts):
-        if d:
-            so_far = r.spec_accepted_tokens / r.spec_draft_tokens if r.spec_draft_tokens else 0.0
-            a = min(max(r.spec_rate, so_far, 0.0), 1.0)
-            total += k if a >= 1.0 else a * (1.0 - a**k) / (1.0 - a)
-    return total
 
 
 class Drafter:
@@ -123,17 +107,6 @@ class Drafter:
             r.spec_index = NgramIndex(self.cfg.ngram_min, self.cfg.ngram_max)
         r.spec_index.sync(seq, r.epoch)
         return r.spec_index.propose(k)
-
-    def paying(self, reqs: list, drafts: list[list[int]], gate) -> list[list[int]]:
-        """`drafts`, or none where the gate finds they would not pay for a verify step (SpecGate.pays). Then
-        their requests' running acceptance, which only verify steps measure, creeps back toward 1, so a request
-        whose text turned copyable drafts again after some looks (spaced 1, 2, 4 ... 16 steps under overlap)."""
-        if gate is None or not any(drafts) or gate.pays(len(reqs), expected(reqs, drafts, self.cfg.num_draft_tokens)):
-            return drafts
-        for r, d in zip(reqs, drafts):
-            if d:
-                r.spec_rate += _UNPAID_RECOVERY * (1.0 - r.spec_rate)
-        return [[] for _ in drafts]
 
     def record(self, r, drafted: int, accepted: int) -> None:
         """After a verify step: the request's counters, its draft length and its back-off."""

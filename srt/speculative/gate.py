@@ -21,14 +21,7 @@ how badly drafting lost, and a loss closes the larger buckets too unless they ha
 pays less as the batch grows, so a loss at 8 requests is news about 32.
 
 Only steady steps count: one whose bucket and mode were those of the step before it (the first step after a
-switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither.
-
-Within an open bucket each step's drafts must also pay for their verify step (`pays`): n requests decode n
-tokens in a step of 1 / plain rate, and a verify step, which takes `verify_seconds` (measured: a steady verify
-step after a verify step, so its wait for the device and its host work in order are in it), must give more. It
-gives n tokens plus the drafts' expected accepted tokens (k draft tokens a drafting request, each held with its
-running acceptance, in a row): a batch of half-wrong drafts at 8 requests is dropped, the same batch at one
-request or copying at 8 is not. Stretch judging still decides whether the bucket is open at all."""
+switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither."""
 
 from __future__ import annotations
 
@@ -41,7 +34,6 @@ MEASURE_STEPS = 8  # closed steps taken to measure decoding when there is no fre
 FIRST_PAUSE = 32  # steps a losing bucket stays closed before its first probe
 MAX_PAUSE = 1024
 REFRESH_EVERY = 512  # steps between fresh measurements of decoding while drafting wins
-VERIFY_WEIGHT = 0.25  # a new verify step's weight in the running mean of their wall time
 _MAX_BUCKET = 20  # bucket of a million decoding requests
 
 
@@ -71,10 +63,7 @@ class SpecGate:
         self.refresh_at: dict[int, int] = {}
         self.closures = 0  # times a bucket closed because drafting lost (reported as a stat)
         self.won: set[int] = set()  # buckets whose last judgement found drafting faster
-        self.verify_seconds: dict[int, float] = {}  # running mean of a steady verify step's wall time
-        self.unpaid = 0  # steps whose drafts were dropped because they would not pay for a verify step
         self._last: tuple[bool, int] | None = None
-        self._last_verify = False
 
     @staticmethod
     def bucket(n: int) -> int:
@@ -90,30 +79,15 @@ class SpecGate:
         s = self.closed.get(b)
         return s.rate if s is not None and s.steps >= MEASURE_STEPS // 2 else None
 
-    def pays(self, n: int, expected: float) -> bool:
-        """Whether a verify step of n decoding requests whose drafts should add `expected` accepted tokens beats
-        a decode step, by what this bucket measured (True until both figures exist)."""
-        b = self.bucket(n)
-        plain, seconds = self.plain_rate(b), self.verify_seconds.get(b)
-        if plain is None or seconds is None or (n + expected) / seconds >= plain:
-            return True
-        self.unpaid += 1
-        return False
-
-    def observe(self, is_open: bool | None, n: int, tokens: int, seconds: float, verify: bool = False) -> None:
+    def observe(self, is_open: bool | None, n: int, tokens: int, seconds: float) -> None:
         """One scheduler step of n decoding requests: `is_open` whether drafting was allowed at its batch size
-        (None: an extend, counted nowhere), `tokens` the tokens it gave, `seconds` its wall time, `verify`
-        whether it was a verify step."""
+        (None: an extend, counted nowhere), `tokens` the tokens it gave, `seconds` its wall time."""
         self.step += 1
         key = None if is_open is None else (is_open, self.bucket(n))
         steady, self._last = key is not None and key == self._last, key
-        after_verify, self._last_verify = self._last_verify, verify and steady
         if not steady or seconds <= 0:
             return
         b = self.bucket(n)
-        if verify and after_verify:
-            old = self.verify_seconds.get(b)
-            self.verify_seconds[b] = seconds if old is None else old + VERIFY_WEIGHT * (seconds - old)
         if not is_open:
             self.closed.setdefault(b, Stretch()).add(tokens, seconds)
             return
