@@ -4,6 +4,9 @@ For each workload and batch size the same prompts run twice on one Engine config
 and `--speculative-algorithm ngram`, greedy, the same output length. Reported per row: output tok/s, the mean
 time per output token of a request (its ITL), the speed-up, the drafts' acceptance rate and accepted length.
 The cache is flushed before every run, so no answer is drafted from an earlier run's answer in the radix tree.
+Each repeat runs plain, ngram, then plain again (`--no-control` drops the second): the paired ratio is the ngram
+run over the mean of the plain runs either side of it, and the second plain run over the first is an A/A ratio,
+the spread this host gives a ratio when nothing differs. Read a speed-up only beyond that spread.
 
 Workloads (the embedded model, real weights, real acceptance):
   copy   each prompt gives a passage and asks for it back (a RAG answer quoting its document);
@@ -152,6 +155,12 @@ def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False)
     }
 
 
+def control_range(controls: list[float]) -> str:
+    if not controls:
+        return ""
+    return f"; plain over plain {statistics.median(controls):.2f}x, {min(controls):.2f}-{max(controls):.2f}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", default=None)
@@ -161,6 +170,13 @@ def main():
     ap.add_argument("--output-len", type=int, default=160)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="runs per row, plain and ngram in turn; the fastest is kept")
+    ap.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run plain again after each ngram run: the ngram run is compared with the two plain runs' mean, and "
+        "the second plain run over the first (nothing differs) says how much the host alone moves a ratio",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("engine_args", nargs="*", help="extra Engine keywords as key=value")
@@ -192,10 +208,17 @@ def main():
                         sch.drafter, answers, args.forced_acceptance, engines["ngram"].runner.vocab_size
                     )
                     force_verify(sch.outputs, sch.drafter)
-                res, ratios, ngram_steps = {}, [], []
+                res, ratios, controls, ngram_steps = {}, [], [], []
                 for _ in range(args.repeats):  # in turn, so that a slow spell of the host hits both alike
                     pair = {name: run(e, ids, args.output_len, ignore_eos=forced) for name, e in engines.items()}
-                    ratios.append(pair["ngram"]["tok_s"] / pair["plain"]["tok_s"])
+                    before = pair["plain"]["tok_s"]
+                    if args.control:  # plain again: the ngram run is compared with the plain runs either side
+                        after = run(engines["plain"], ids, args.output_len, ignore_eos=forced)
+                        controls.append(after["tok_s"] / before)
+                        before = (before + after["tok_s"]) / 2
+                        if after["wall_s"] < pair["plain"]["wall_s"]:
+                            pair["plain"] = after
+                    ratios.append(pair["ngram"]["tok_s"] / before)
                     ngram_steps.append(pair["ngram"]["steps"])
                     for name, r in pair.items():
                         if name not in res or r["wall_s"] < res[name]["wall_s"]:
@@ -211,6 +234,10 @@ def main():
                     # a pair alike, so their median is steadier than the ratio of the two best runs
                     "speedup_median": statistics.median(ratios),
                     "speedup_pairs": ratios,
+                    # --control: each repeat's second plain run over its first, the same work twice: how far
+                    # this host moves a ratio when nothing differs (a speed-up inside that spread is not one)
+                    "control_median": statistics.median(controls) if controls else None,
+                    "control_pairs": controls,
                     "ngram_steps": ngram_steps,
                     "plain_itl_ms": res["plain"]["itl_ms"],
                     "ngram_itl_ms": res["ngram"]["itl_ms"],
@@ -223,7 +250,7 @@ def main():
                 print(
                     f"{workload:5s} bs {bs:4d}: plain {row['plain_tok_s']:8.1f} tok/s, ngram "
                     f"{row['ngram_tok_s']:8.1f} ({row['speedup']:.2f}x; paired median {row['speedup_median']:.2f}x, "
-                    f"{min(ratios):.2f}-{max(ratios):.2f}); ITL {row['plain_itl_ms']:.1f} -> "
+                    f"{min(ratios):.2f}-{max(ratios):.2f}{control_range(controls)}); ITL {row['plain_itl_ms']:.1f} -> "
                     f"{row['ngram_itl_ms']:.1f} ms; accepted {row['accept_rate'] or 0:.2f}, "
                     f"{row['accept_length'] or 0:.2f} tok/verify; same outputs {same}; last ngram run: "
                     f"{last['decode_steps']} decode steps ({last['spec_verify_steps']} verify, "

@@ -78,7 +78,7 @@ class RadixCache:
         """Up to k tokens the tree holds right after the whole of `key` (another request's prompt or answer that
         went on from there), following the most recently used branch; [] when `key` is not cached in full. Reads
         only: no split, no access time touched (speculative drafts must not keep entries alive)."""
-        node, pos = self.root, 0
+        node, pos, out = self.root, 0, []
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
@@ -88,9 +88,10 @@ class RadixCache:
                 pos, node = pos + size, child
                 continue
             n = _common_len(child.key, key, pos)
-            pos += n
-            return child.key[n : n + k] if pos == len(key) else []
-        out: list[int] = []
+            if pos + n < len(key):
+                return []
+            out, node = child.key[n : n + k], child  # `key` ends inside this node: its rest, then its children
+            break
         while len(out) < k and node.children:
             node = max(node.children.values(), key=lambda c: c.last_access)
             out += node.key[: k - len(out)]

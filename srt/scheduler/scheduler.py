@@ -183,7 +183,7 @@ class Scheduler:
             outputs = self._process_inflight()
         if self._spec_pause > 0:  # nobody drafted lately: keep the overlap this step (see _no_drafts)
             self._spec_pause -= 1
-        elif self._speculating():
+        elif self._speculating() and self._may_draft():
             self.stats.spec_in_order_steps += 1
             # Drafts are looked up on the host from every token so far, so a speculative step cannot be scheduled
             # while the previous one is still on the device: these steps run in order (as SGLang does with its
@@ -220,13 +220,22 @@ class Scheduler:
         return self._apply(self.outputs.process(batch, following))
 
     def _no_drafts(self) -> None:
-        """A step that could have verified drafts found none. Under overlap, drafting runs steps in order (their
-        tokens must all be on the host), which costs a step its overlap; so the next 1, 2, 4 ... (at most 16)
-        steps run overlapped before drafts are looked for again: free text that never drafts keeps nearly all
-        of the overlap, and a request that starts copying drafts within a few steps."""
+        """A step that could have verified drafts found none (or none could). Under overlap a look runs a step in
+        order (its tokens must all be on the host), costing that step its overlap; so the next 1, 2, 4 ... (at
+        most 16) steps run overlapped before the next look: free text keeps nearly all of the overlap, and a
+        request that starts copying drafts within a few steps."""
         if self.overlap:
             self._spec_idle = min(2 * self._spec_idle or 1, _MAX_SPEC_PAUSE)  # 1, 2, 4 ... 16
             self._spec_pause = self._spec_idle
+
+    def _may_draft(self) -> bool:
+        """Before an in-order look: could any request draft, judged from the host's tokens (Drafter.may_draft)?"""
+        reqs = [r for r in self.running if r.decodable(self.context_length)]
+        if self.inflight is None or self.drafter.may_draft(reqs):  # with nothing in flight a look costs nothing
+            return True
+        self.stats.spec_looks_skipped += 1
+        self._no_drafts()
+        return False
 
     def _speculating(self) -> bool:
         if self.drafter is None:

@@ -80,25 +80,46 @@ class Drafter:
             drafts.append(d)
         return drafts
 
+    def may_draft(self, reqs: list) -> bool:
+        """Whether a look for drafts could find one, judged from the tokens on the host. Under overlap a look
+        costs a step its overlap (it needs the token still on the device), so the scheduler first asks this,
+        for free: it looks up each request's tokens without that last one, i.e. whether the tail so far
+        already matches something (copied text matches at token after token; where nothing matched one token
+        earlier, a look rarely finds a draft). When nothing could draft, this stands for the look: requests
+        backing off count it, as a look that found nothing would."""
+        floor = self.cfg.shared_floor if len(reqs) > 1 else 0.0
+        for r in reqs:
+            if r.spec_skip == 0 and r.spec_rate >= floor and not r.sampling_params.has_penalties():
+                k = self._room(r, r.produced(), 1)
+                if k > 0 and self._lookup(r, k):
+                    return True
+        for r in reqs:
+            if not r.sampling_params.has_penalties():
+                self._ready(r, floor)
+        return False
+
     def _draft(self, r, room: int, floor: float) -> list[int]:
-        if r.sampling_params.has_penalties():
+        if r.sampling_params.has_penalties() or not self._ready(r, floor):
             return []
+        k = min(self._room(r, len(r.output_ids), self.cfg.num_draft_tokens if r.spec_len is None else r.spec_len), room)
+        return self._lookup(r, k) if k > 0 else []
+
+    @staticmethod
+    def _ready(r, floor: float) -> bool:
+        """A look at a request that backs off: counts one of its skipped looks (False) or lets it draft."""
         if r.spec_skip > 0:
             r.spec_skip -= 1
-            return []
+            return False
         if r.spec_rate < floor:  # park it, then let one draft probe whether its text has turned copyable
             r.spec_skip, r.spec_rate = _MAX_SKIP, floor
-            return []
+            return False
+        return True
+
+    def _room(self, r, produced: int, k: int) -> int:
         # The token sampled by the verify step is always kept, so a draft of k leaves room for k + 1 tokens.
-        produced = len(r.output_ids)
-        k = min(
-            self.cfg.num_draft_tokens if r.spec_len is None else r.spec_len,
-            r.max_new_tokens - produced - 1,
-            self.context_length - len(r.input_ids) - produced - 1,
-            room,
-        )
-        if k <= 0:
-            return []
+        return min(k, r.max_new_tokens - produced - 1, self.context_length - len(r.input_ids) - produced - 1)
+
+    def _lookup(self, r, k: int) -> list[int]:
         seq = r.fill_ids
         draft = self.tree_cache.continuation(seq, k)
         if draft:

@@ -130,6 +130,11 @@ def test_radix_continuation_reads_without_touching_the_tree():
     assert tree.continuation([1, 2, 3, 4, 5, 6], 2) == []  # nothing cached after it
     assert tree.continuation([1, 9], 2) == []  # not cached in full
     assert list(_nodes(tree.root)) == nodes and [n.last_access for n in nodes] == stamps  # no split, no touch
+    tree.insert([1, 2, 3, 4, 5, 6, 7, 8], pool.alloc(8))  # [7, 8] becomes a child of the [3..6] node
+    nodes = list(_nodes(tree.root))
+    stamps = [n.last_access for n in nodes]
+    assert tree.continuation([1, 2, 3], 5) == [4, 5, 6, 7, 8]  # ends inside a node: its rest, then its child
+    assert list(_nodes(tree.root)) == nodes and [n.last_access for n in nodes] == stamps  # no split, no touch
 
 
 def _nodes(node):
@@ -324,6 +329,34 @@ def test_draft_length_and_back_off_follow_what_held():
     assert drafter.propose([penalised], 100) == [[]]  # its later positions would need the draft's own counts
 
 
+def test_may_draft_looks_at_the_host_tokens_for_free_and_counts_back_offs():
+    """Under overlap the scheduler asks, before a look that would cost a step its overlap, whether the tokens
+    on the host (all but the one in flight) match anything. It answers what a look at those tokens would, and
+    a 'no' counts as a look for requests backing off (else a request that missed would never draft again)."""
+    from radixlm.srt.mem_cache.radix_cache import ChunkCache
+    from radixlm.srt.sampling.sampling_params import SamplingParams
+    from radixlm.srt.scheduler.req import Req
+    from radixlm.srt.speculative.drafter import Drafter, SpecConfig
+
+    drafter = Drafter(SpecConfig(4, 2, 4, 8), ChunkCache(None), 4096)
+
+    def req(tokens, **params):
+        return Req("a", tokens, SamplingParams(max_new_tokens=64, **params), seed=0, max_new_tokens=64)
+
+    copying, free = req([5, 6, 7, 8, 9, 5, 6]), req([5, 6, 7, 8, 9, 10, 11])
+    assert drafter.may_draft([copying]) and drafter.propose([copying], 100) == [[7, 8, 9, 5]]
+    assert not drafter.may_draft([free]) and drafter.propose([free], 100) == [[]]
+    assert drafter.may_draft([free, copying])
+    copying.spec_skip = 2  # backing off after a missed draft: not a candidate, and a 'no' counts one look
+    assert not drafter.may_draft([free, copying]) and copying.spec_skip == 1
+    assert not drafter.may_draft([copying]) and copying.spec_skip == 0
+    assert drafter.may_draft([copying]) and copying.spec_skip == 0  # a 'yes' leaves the counts to the look
+    near_end = req([5, 6, 7, 8, 9, 5, 6])
+    near_end.output_ids, near_end.pending_ref = [7] * 62, 0  # its last token is in flight: no room for a draft
+    assert not drafter.may_draft([near_end])
+    assert not drafter.may_draft([req([5, 6, 7, 5, 6], presence_penalty=0.5)])
+
+
 def test_draft_length_doubles_after_full_holds_where_rows_are_cheap():
     """Off a CPU a verify step's rows cost little at small batches, so a draft that held in full earns one twice
     as long (1, 2, 4, 8: copied text reaches k in three steps); on a CPU one token longer. A partial hold gives
@@ -357,19 +390,30 @@ def _spec_args():
     return ServerArgs(model_path=None, speculative_algorithm="ngram")
 
 
-def test_steps_without_drafts_keep_the_overlap(ref, spec_overlap, monkeypatch):
+@pytest.mark.parametrize("host_tokens_match", [True, False])
+def test_steps_without_drafts_keep_the_overlap(ref, spec_overlap, monkeypatch, host_tokens_match):
     """Under overlap, looking for drafts runs a step in order; text that never drafts must not pay that every
     step (on the GPU it cost 11-18% of plain decoding's speed): after a step that found no draft the next 1, 2,
-    4 ... 16 steps run overlapped. The answers stay plain decoding's."""
+    4 ... 16 steps run overlapped; and a look whose host tokens match nothing (Drafter.may_draft) is not run
+    at all, only counted. The answers stay plain decoding's."""
     params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
     s = spec_overlap.scheduler
     monkeypatch.setattr(s.drafter, "propose", lambda reqs, room: [[] for _ in reqs])  # free text: no n-gram hits
-    before = dict(in_order=s.stats.spec_in_order_steps, decode=s.stats.decode_steps)
+    asked = []
+    monkeypatch.setattr(s.drafter, "may_draft", lambda reqs: asked.append(len(reqs)) or host_tokens_match)
+    before = dict(in_order=s.stats.spec_in_order_steps, decode=s.stats.decode_steps, skipped=s.stats.spec_looks_skipped)
     got = _texts(spec_overlap, FREE_FORM[:1], params)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref(FREE_FORM[:1], params)]
     in_order = s.stats.spec_in_order_steps - before["in_order"]
     decode = s.stats.decode_steps - before["decode"]
-    assert decode >= 39 and 1 <= in_order <= 7, (in_order, decode)  # looks before steps 1, 3, 6, 11, 20, 37
+    skipped = s.stats.spec_looks_skipped - before["skipped"]
+    # looks due before steps 1, 3, 6, 11, 20, 37 (fewer after an earlier test's pauses grew): run in order, or
+    # skipped when may_draft says no (not asked when nothing is in flight: such a look costs nothing)
+    assert decode >= 39 and 1 <= in_order + skipped <= 7 and set(asked) <= {1}, (in_order, skipped, asked)
+    if host_tokens_match:
+        assert skipped == 0 and len(asked) <= in_order, (in_order, asked)
+    else:
+        assert in_order <= 1 and skipped == len(asked) >= 1, (in_order, skipped, asked)
     assert_engine_idle(spec_overlap)
 
 
