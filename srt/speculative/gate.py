@@ -21,11 +21,14 @@ how badly drafting lost, and a loss closes the larger buckets too unless they ha
 pays less as the batch grows, so a loss at 8 requests is news about 32.
 
 Only steady steps count: one whose bucket and mode were those of the step before it (the first step after a
-switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither."""
+switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither.
+A stretch's rate leaves out steps that took several times its median step (a host pause, which would decide
+a judgement of ~16 one-millisecond steps by itself), and one won stretch after losses halves the pause the
+next loss doubles rather than forgetting it (a win may be noise)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 JUDGE_STEPS = 16  # open steps per judgement
 PROBE_STEPS = 4  # ... for a bucket that lost before: its probes are paid again after every pause
@@ -34,23 +37,34 @@ MEASURE_STEPS = 8  # closed steps taken to measure decoding when there is no fre
 FIRST_PAUSE = 32  # steps a losing bucket stays closed before its first probe
 MAX_PAUSE = 1024
 REFRESH_EVERY = 512  # steps between fresh measurements of decoding while drafting wins
+OUTLIER = 4.0  # a step taking over this many times a stretch's median step is a host pause, not the mode's cost
 _MAX_BUCKET = 20  # bucket of a million decoding requests
 
 
 @dataclass
 class Stretch:
-    tokens: int = 0
-    seconds: float = 0.0
-    steps: int = 0
+    times: list[float] = field(default_factory=list)  # each step's wall time
+    tokens: list[int] = field(default_factory=list)  # and the tokens it gave
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.tokens += tokens
-        self.seconds += seconds
-        self.steps += 1
+        self.times.append(seconds)
+        self.tokens.append(tokens)
+
+    @property
+    def steps(self) -> int:
+        return len(self.times)
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """Tokens per second over the stretch's steps, leaving out steps that took over OUTLIER times the median
+        step: a host pause (a collection, a preempted core) of a few milliseconds in a stretch of ~1 ms steps
+        would otherwise decide a judgement by itself. A verify step costs a few decode steps, well under it."""
+        if not self.times:
+            return 0.0
+        cap = OUTLIER * sorted(self.times)[len(self.times) // 2] if len(self.times) >= 3 else float("inf")
+        kept = [(t, n) for t, n in zip(self.times, self.tokens) if t <= cap]
+        seconds = sum(t for t, _ in kept)
+        return sum(n for _, n in kept) / seconds if seconds > 0 else 0.0
 
 
 class SpecGate:
@@ -59,7 +73,8 @@ class SpecGate:
         self.opened: dict[int, Stretch] = {}  # the open stretch being measured
         self.closed: dict[int, Stretch] = {}  # the current (or last) closed stretch
         self.closed_until: dict[int, int] = {}
-        self.pause: dict[int, int] = {}
+        self.pause: dict[int, int] = {}  # buckets judged on short stretches (they lost last time): their pause
+        self.lost: dict[int, int] = {}  # the pause a bucket's next loss doubles: halved by a win, not forgotten
         self.refresh_at: dict[int, int] = {}
         self.closures = 0  # times a bucket closed because drafting lost (reported as a stat)
         self.won: set[int] = set()  # buckets whose last judgement found drafting faster
@@ -102,7 +117,7 @@ class SpecGate:
         elif s.rate < plain:
             # a first loss by a factor f pauses f * f times FIRST_PAUSE (a 2x loss: 128 steps); each further one doubles
             first = FIRST_PAUSE * min((plain / max(s.rate, 1e-9)) ** 2, MAX_PAUSE / FIRST_PAUSE)
-            self.pause[b] = int(min(2 * self.pause[b] if b in self.pause else first, MAX_PAUSE))
+            self.pause[b] = self.lost[b] = int(min(2 * self.lost[b] if b in self.lost else first, MAX_PAUSE))
             self._close(b, self.pause[b])
             self.closures += 1
             self.won.discard(b)
@@ -113,6 +128,12 @@ class SpecGate:
         else:
             self.won.add(b)
             self.pause.pop(b, None)
+            # One won stretch may be the host's noise: the next loss pauses half as long as the last, not
+            # FIRST_PAUSE again; wins in a row forget the losses.
+            if b in self.lost:
+                self.lost[b] //= 2
+                if self.lost[b] < FIRST_PAUSE:
+                    del self.lost[b]
             self.opened[b] = Stretch()  # judge the next stretch on its own
             if self.step >= self.refresh_at.setdefault(b, self.step + REFRESH_EVERY):
                 self._close(b, MEASURE_STEPS, measure=True)

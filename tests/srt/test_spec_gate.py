@@ -74,3 +74,43 @@ def test_gate_counts_only_steady_steps_and_remeasures_decoding_while_drafting_wi
         _steps(gate, 4, 1000.0, 3000.0, 1)
     assert g.REFRESH_EVERY - g.JUDGE_STEPS <= gate.step - opened <= g.REFRESH_EVERY + g.MEASURE_STEPS + g.JUDGE_STEPS
     assert gate.closures == 0 and gate.plain_rate(gate.bucket(4)) is None  # the old figure is not trusted
+
+
+def test_gate_a_host_pause_does_not_decide_a_judgement():
+    """A step that took many times its stretch's median (a collection, a preempted core) is left out of the
+    stretch's rate: one such step in the closed stretch must not make a losing draft look like a win, nor one in
+    the open stretch close a winning bucket."""
+    for plain, spec, slow_mode in ((1000.0, 700.0, False), (1000.0, 1500.0, True)):
+        gate = g.SpecGate()
+        n = 8
+        for step in range(g.MEASURE_STEPS + 1 + g.JUDGE_STEPS):
+            is_open = gate.allows(n)
+            seconds = n / (spec if is_open else plain)
+            if is_open == slow_mode and step == (g.MEASURE_STEPS + 4 if slow_mode else 4):
+                seconds *= 30  # the host paused for ~30 steps' time
+            gate.observe(is_open, n, n, seconds)
+        lost = gate.closures == 1
+        assert lost == (spec < plain), (plain, spec, gate.closures)
+
+
+def test_gate_a_won_stretch_after_losses_halves_the_next_pause():
+    """One won stretch between losses may be noise: the loss after it pauses half as long as the last one (not
+    FIRST_PAUSE again), and wins in a row forget the losses."""
+    gate = g.SpecGate()
+    b = gate.bucket(8)
+    _until_open(gate, 8, 1000.0)
+    pauses = []
+    for _ in range(4):  # four losses: the pause doubles
+        _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)
+        pauses.append(gate.pause[b])
+        _until_open(gate, 8, 1000.0)
+    assert pauses == [pauses[0] * 2**i for i in range(4)], pauses
+    _steps(gate, 8, 1000.0, 1200.0, 1 + g.PROBE_STEPS)  # a probe wins (short: the bucket lost before)
+    assert gate.closures == 4 and b not in gate.pause and gate.lost[b] == pauses[-1] // 2
+    _until_open(gate, 8, 1000.0)  # (decoding may be measured afresh first)
+    _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)  # the next stretch, judged in full, loses
+    assert gate.closures == 5 and not gate.allows(8) and gate.pause[b] == pauses[-1], (gate.pause[b], pauses)
+    _until_open(gate, 8, 1000.0)
+    for _ in range(8):  # wins in a row: the losses are forgotten
+        _steps(gate, 8, 1000.0, 1200.0, 1 + g.JUDGE_STEPS)
+    assert gate.allows(8) and b not in gate.lost
