@@ -156,7 +156,9 @@ class ServerArgs:
         "output is exactly what plain decoding gives (greedy and sampled)",
         (None, "ngram"),
     )
-    speculative_num_draft_tokens: int = _opt(4, "most tokens drafted for a request per step (k)")
+    speculative_num_draft_tokens: int | None = _opt(
+        None, "most tokens drafted for a request per step (k); default 8 on a GPU, 4 on a CPU"
+    )
     speculative_ngram_min: int = _opt(2, "shortest n-gram of the sequence's tail looked up for a draft")
     speculative_ngram_max: int = _opt(4, "longest n-gram looked up (the longest match wins)")
     speculative_max_batch_size: int | None = _opt(

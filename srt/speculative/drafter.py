@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from radixlm.srt.speculative.ngram import NgramIndex
 
 _MAX_SKIP = 16
+DEFAULT_DRAFT_TOKENS = 8  # k where --speculative-num-draft-tokens is not given (GPU) ...
+DEFAULT_DRAFT_TOKENS_CPU = 4  # ... and on a CPU
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,10 @@ class SpecConfig:
         if args.speculative_algorithm is None:
             return None
         cpu = device_type == "cpu"
-        return cls(args.speculative_num_draft_tokens, args.speculative_ngram_min, args.speculative_ngram_max,
+        # On a GPU a small batch's verify step costs about the same for 5 or 9 rows and drafts grow by doubling,
+        # so a longer cap pays where drafts hold; on a CPU every row costs compute.
+        k = args.speculative_num_draft_tokens or (DEFAULT_DRAFT_TOKENS_CPU if cpu else DEFAULT_DRAFT_TOKENS)
+        return cls(k, args.speculative_ngram_min, args.speculative_ngram_max,
                    args.speculative_max_batch_size, 0.7 if cpu else 0.0, ramp_doubles=not cpu)  # fmt: skip
 
 

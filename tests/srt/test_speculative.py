@@ -382,6 +382,10 @@ def test_draft_length_doubles_after_full_holds_where_rows_are_cheap():
     gpu = SpecConfig.from_args(_spec_args(), "cuda")
     cpu = SpecConfig.from_args(_spec_args(), "cpu")
     assert gpu.ramp_doubles and not cpu.ramp_doubles
+    assert (gpu.num_draft_tokens, cpu.num_draft_tokens) == (8, 4)  # the defaults; an explicit k is kept
+    args = _spec_args()
+    args.speculative_num_draft_tokens = 5
+    assert [SpecConfig.from_args(args, d).num_draft_tokens for d in ("cuda", "cpu")] == [5, 5]
 
 
 def _spec_args():
