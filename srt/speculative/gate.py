@@ -45,6 +45,7 @@ _MAX_BUCKET = 20  # bucket of a million decoding requests
 class Stretch:
     times: list[float] = field(default_factory=list)  # each step's wall time
     tokens: list[int] = field(default_factory=list)  # and the tokens it gave
+    _rate: tuple[int, float] = (0, 0.0)  # (steps, rate) last computed: a closed stretch is read every open step
 
     def add(self, tokens: int, seconds: float) -> None:
         self.times.append(seconds)
@@ -59,12 +60,13 @@ class Stretch:
         """Tokens per second over the stretch's steps, leaving out steps that took over OUTLIER times the median
         step: a host pause (a collection, a preempted core) of a few milliseconds in a stretch of ~1 ms steps
         would otherwise decide a judgement by itself. A verify step costs a few decode steps, well under it."""
-        if not self.times:
-            return 0.0
+        if self._rate[0] == len(self.times):
+            return self._rate[1]
         cap = OUTLIER * sorted(self.times)[len(self.times) // 2] if len(self.times) >= 3 else float("inf")
         kept = [(t, n) for t, n in zip(self.times, self.tokens) if t <= cap]
         seconds = sum(t for t, _ in kept)
-        return sum(n for _, n in kept) / seconds if seconds > 0 else 0.0
+        self._rate = (len(self.times), sum(n for _, n in kept) / seconds if seconds > 0 else 0.0)
+        return self._rate[1]
 
 
 class SpecGate:
