@@ -90,6 +90,10 @@ class SpecGate:
         b = self.bucket(n)
         if b not in self.closed_until:  # never seen: decode plainly first, to know what drafting competes with
             self._close(b, MEASURE_STEPS, measure=True)
+        elif self.step >= self.closed_until[b] and b in self.pause and self.plain_rate(b) is None:
+            # closed by a smaller bucket's loss before any step of its own: measure decoding here before a probe,
+            # or the probe's verify steps (the dearest there are, at this batch size) are judged against nothing
+            self._close(b, MEASURE_STEPS, measure=True)
         return self.step >= self.closed_until[b]
 
     def plain_rate(self, b: int) -> float | None:
@@ -119,7 +123,8 @@ class SpecGate:
         elif s.rate < plain:
             # a first loss by a factor f pauses f * f times FIRST_PAUSE (a 2x loss: 128 steps); each further one doubles
             first = FIRST_PAUSE * min((plain / max(s.rate, 1e-9)) ** 2, MAX_PAUSE / FIRST_PAUSE)
-            self.pause[b] = self.lost[b] = int(min(2 * self.lost[b] if b in self.lost else first, MAX_PAUSE))
+            last = self.lost.get(b, self.pause.get(b))  # its own last pause, else one a smaller bucket's loss set
+            self.pause[b] = self.lost[b] = int(min(2 * last if last else first, MAX_PAUSE))
             self._close(b, self.pause[b])
             self.closures += 1
             self.won.discard(b)

@@ -114,3 +114,20 @@ def test_gate_a_won_stretch_after_losses_halves_the_next_pause():
     for _ in range(8):  # wins in a row: the losses are forgotten
         _steps(gate, 8, 1000.0, 1200.0, 1 + g.JUDGE_STEPS)
     assert gate.allows(8) and b not in gate.lost
+
+
+def test_gate_a_larger_batch_closed_by_a_smaller_ones_loss_measures_before_its_probe():
+    """A bucket closed by a smaller bucket's loss has no decoding figure of its own: when its pause ends it first
+    decodes plainly (its probe's verify steps, the dearest there are, would otherwise be judged against nothing),
+    then probes on a short stretch, and a loss doubles the pause it inherited rather than starting afresh."""
+    gate = g.SpecGate()
+    _until_open(gate, 8, 1000.0)
+    _steps(gate, 8, 1000.0, 400.0, 1 + g.PROBE_STEPS)  # 8 requests: a bad loss, judged early
+    inherited = gate.pause[gate.bucket(32)]
+    assert inherited == gate.pause[gate.bucket(8)] and not gate.allows(32)
+    while gate.step < gate.closed_until[gate.bucket(32)]:  # its pause passes while other sizes decode
+        _steps(gate, 2, 1000.0, 1000.0, 1)
+    opened_after = _until_open(gate, 32, 3000.0)  # no figure at 32 yet: it decodes plainly first
+    assert opened_after == g.MEASURE_STEPS and gate.plain_rate(gate.bucket(32)) == pytest.approx(3000.0)
+    _steps(gate, 32, 3000.0, 2000.0, 1 + g.PROBE_STEPS)  # the probe loses: judged on the short stretch
+    assert not gate.allows(32) and gate.pause[gate.bucket(32)] == 2 * inherited
