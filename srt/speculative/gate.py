@@ -18,7 +18,8 @@ bucket on a few unlucky drafts); one that lost before probes with PROBE_STEPS, b
 gate's only cost and is paid again after every pause (a verify step can cost several decode steps: 4-5x for a
 small model on a GPU at 32 requests), and so does a stretch losing by half or more. The first pause grows with
 how badly drafting lost, and a loss closes the larger buckets too unless they have won on their own: drafting
-pays less as the batch grows, so a loss at 8 requests is news about 32.
+pays less as the batch grows, so a loss at 8 requests is news about 32 (which, when its pause ends, decodes
+plainly for a figure of its own before its first probe).
 
 Only steady steps count: one whose bucket and mode were those of the step before it (the first step after a
 switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither.
