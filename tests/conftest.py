@@ -124,3 +124,12 @@ def server():
     srv = ServerProcess("--max-total-tokens", "20000", "--quantization", "none")
     yield srv
     assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    """The shared server's URL for one test file, which must leave nothing running, queued or holding KV."""
+    from tests.helpers import assert_server_idle
+
+    yield server.url
+    assert_server_idle(server.url)

@@ -18,7 +18,6 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
 from radixlm.srt.entrypoints.openai import protocol
-from tests.helpers import assert_server_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -75,12 +74,6 @@ def test_every_openai_message_and_part_key_is_known():
 
 
 # --- the server ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def url(server):
-    yield server.url
-    assert_server_idle(server.url)  # nothing left running, queued or holding KV after this file's requests
-
-
 @pytest.fixture(scope="module")
 def client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)

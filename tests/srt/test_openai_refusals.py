@@ -20,13 +20,6 @@ from tests.srt.test_openai_fields import (
     stream_events,
 )
 
-
-@pytest.fixture(scope="module")
-def url(server):
-    yield server.url
-    assert_server_idle(server.url)
-
-
 # (route, body, the field the 400 must name)
 UNKNOWN = [
     ("/v1/chat/completions", {**OK, "max_token": 5}, "max_token"),
