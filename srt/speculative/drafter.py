@@ -94,7 +94,7 @@ class Drafter:
         backing off count it, as a look that found nothing would."""
         floor = self.cfg.shared_floor if len(reqs) > 1 else 0.0
         for r in reqs:
-            if r.spec_skip == 0 and r.spec_rate >= floor and not r.sampling_params.has_penalties():
+            if not r.sampling_params.has_penalties() and not self._backing_off(r, floor):
                 k = self._room(r, r.produced(), 1)
                 if k > 0 and self._lookup(r, k):
                     return True
@@ -110,15 +110,20 @@ class Drafter:
         return self._lookup(r, k) if k > 0 else []
 
     @staticmethod
-    def _ready(r, floor: float) -> bool:
+    def _backing_off(r, floor: float) -> bool:
+        return r.spec_skip > 0 or r.spec_rate < floor
+
+    @classmethod
+    def _ready(cls, r, floor: float) -> bool:
         """A look at a request that backs off: counts one of its skipped looks (False) or lets it draft."""
+        if not cls._backing_off(r, floor):
+            return True
         if r.spec_skip > 0:
             r.spec_skip -= 1
             return False
-        if r.spec_rate < floor:  # park it, then let one draft probe whether its text has turned copyable
-            r.spec_skip, r.spec_rate = _MAX_SKIP, floor
-            return False
-        return True
+        # under the floor: park it, then let one draft probe whether its text has turned copyable
+        r.spec_skip, r.spec_rate = _MAX_SKIP, floor
+        return False
 
     def _room(self, r, produced: int, k: int) -> int:
         # The token sampled by the verify step is always kept, so a draft of k leaves room for k + 1 tokens.
