@@ -102,12 +102,12 @@ class ForcedDrafter(Drafter):
         # the runtime's pre-look reads the request's own tokens, where a dummy model's answer matches nothing
         return any(tuple(r.input_ids) in self.answers for r in reqs)
 
-    def _draft(self, r, room: int, floor: float) -> list[int]:
+    def _draft(self, r, room: int, floor: float, cap: int) -> list[int]:
         answer = self.answers.get(tuple(r.input_ids))
         if answer is None:
             return []
         pos = len(r.output_ids)
-        k = min(self.cfg.num_draft_tokens, r.max_new_tokens - pos - 1, room)
+        k = min(cap, r.max_new_tokens - pos - 1, room)
         draft = answer[pos : pos + max(k, 0)]
         right = next((i for i in range(len(draft)) if self.rng.random() >= self.p), len(draft))
         self.right[r.rid] = right
@@ -131,7 +131,14 @@ def force_verify(outputs, drafter: ForcedDrafter) -> None:
     outputs._process_verify = forced
 
 
-STEP_COUNTS = ("decode_steps", "spec_verify_steps", "spec_in_order_steps", "spec_looks_skipped", "spec_gate_closures")
+STEP_COUNTS = (
+    "decode_steps",
+    "spec_verify_steps",
+    "spec_in_order_steps",
+    "spec_looks_skipped",
+    "spec_gate_closures",
+    "spec_gate_cuts",
+)
 
 
 def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False) -> dict:
@@ -258,7 +265,8 @@ def main():
                     f"{row['ngram_itl_ms']:.1f} ms; accepted {row['accept_rate'] or 0:.2f}, "
                     f"{row['accept_length'] or 0:.2f} tok/verify; same outputs {same}; last ngram run: "
                     f"{last['decode_steps']} decode steps ({last['spec_verify_steps']} verify, "
-                    f"{last['spec_in_order_steps']} in order), {last['spec_gate_closures']} gate closures",
+                    f"{last['spec_in_order_steps']} in order), {last['spec_gate_closures']} gate closures, "
+                    f"{last['spec_gate_cuts']} cuts",
                     flush=True,
                 )
     finally:

@@ -38,7 +38,7 @@ from radixlm.srt.scheduler.prefill import Admission, PrefillBudget
 from radixlm.srt.scheduler.req import Req
 from radixlm.srt.scheduler.stats import SchedulerStats, StepInfo
 from radixlm.srt.speculative.drafter import Drafter, SpecConfig
-from radixlm.srt.speculative.gate import SpecGate
+from radixlm.srt.speculative.pacer import SpecPacer
 from radixlm.srt.utils import freeze_startup_objects, to_device
 
 if TYPE_CHECKING:
@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7  # assumed fraction of max_new_tokens a request will really generate
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-_MAX_SPEC_PAUSE = 16
 
 
 class BatchFailed(Exception):
@@ -99,10 +98,7 @@ class Scheduler:
         )
         spec = SpecConfig.from_args(args, runner.device.type)
         self.drafter = Drafter(spec, self.tree_cache, self.context_length) if spec is not None else None
-        # measured: nobody drafts at batch sizes where steps with drafting delivered fewer tokens/s than without
-        self.spec_gate = SpecGate() if spec is not None and spec.measured else None
-        self._spec_pause = 0  # overlap steps left before drafts are looked for again (_no_drafts)
-        self._spec_idle = 0  # the last pause's length
+        self.spec = SpecPacer(self.drafter, self.overlap, self.stats) if self.drafter is not None else None
         self.outputs = OutputProcessor(tokenizer, self.context_length, self.grammar, self.kv, self.stats, self.drafter)
         freeze_startup_objects()  # the model, tokenizer and graphs, out of the collector's full passes
 
@@ -148,11 +144,8 @@ class Scheduler:
 
     def step(self) -> list[TokenOutput]:
         t0 = time.perf_counter()
-        st = self.stats
-        gate = None
-        if self.spec_gate is not None:  # the gate's view of this step: its batch size and whether drafting may run
-            n = self._decoding()
-            gate = (n, self.spec_gate.allows(n), st.extend_steps, st.generated_tokens)
+        if self.spec is not None:
+            self.spec.begin_step(self._decoding())
         if self.grammar.queue:
             self._poll_grammars()
         outputs, self._outputs = self._outputs, []
@@ -160,13 +153,9 @@ class Scheduler:
         outputs += self._outputs  # requests failed by a batch that ran out of memory
         self._outputs = []
         elapsed = time.perf_counter() - t0
-        st.busy_seconds += elapsed
-        if gate is not None:
-            n, is_open, extends, tokens = gate
-            self.spec_gate.observe(
-                None if st.extend_steps != extends or n == 0 else is_open, n, st.generated_tokens - tokens, elapsed
-            )
-            st.spec_gate_closures = self.spec_gate.closures
+        self.stats.busy_seconds += elapsed
+        if self.spec is not None:
+            self.spec.end_step(elapsed)
         return outputs
 
     def _step_plain(self) -> list[TokenOutput]:
@@ -181,16 +170,12 @@ class Scheduler:
             # how many of a verify step's tokens were accepted is known only once it is processed: nothing is
             # scheduled after one before that
             outputs = self._process_inflight()
-        if self._spec_pause > 0:  # nobody drafted lately: keep the overlap this step (see _no_drafts)
-            self._spec_pause -= 1
-        elif self._speculating() and self._may_draft():
+        if self.spec is not None and self.spec.look_in_order(self._decodable(), self.inflight is not None):
             self.stats.spec_in_order_steps += 1
-            # Drafts are looked up on the host from every token so far, so a speculative step cannot be scheduled
-            # while the previous one is still on the device: these steps run in order (as SGLang does with its
-            # n-gram drafts). Large batches, which overlap helps most, draft only where it measured faster (SpecGate).
-            # The step launched here stays in flight until the next step: its predecessor's outputs are streamed
-            # and new requests received while the device computes it (sampled already: it is processed as an
-            # early-sampled step would be).
+            # A look for drafts needs every token so far on the host (speculative/pacer.py). The step launched
+            # here stays in flight until the next step: its predecessor's outputs are streamed and new requests
+            # received while the device computes it (sampled already: it is processed as an early-sampled step
+            # would be).
             outputs += self._process_inflight()
             batch = self._launch_forward(self._schedule(verify=True))
             if batch is not None and self._launch_sample(batch):
@@ -219,29 +204,8 @@ class Scheduler:
         batch, self.inflight = self.inflight, None
         return self._apply(self.outputs.process(batch, following))
 
-    def _no_drafts(self) -> None:
-        """A step that could have verified drafts found none (or none could). Under overlap a look runs a step in
-        order (its tokens must all be on the host), costing that step its overlap; so the next 1, 2, 4 ... (at
-        most 16) steps run overlapped before the next look: free text keeps nearly all of the overlap, and a
-        request that starts copying drafts within a few steps."""
-        if self.overlap:
-            self._spec_idle = min(2 * self._spec_idle or 1, _MAX_SPEC_PAUSE)  # 1, 2, 4 ... 16
-            self._spec_pause = self._spec_idle
-
-    def _may_draft(self) -> bool:
-        """Before an in-order look: could any request draft, judged from the host's tokens (Drafter.may_draft)?"""
-        reqs = [r for r in self.running if r.decodable(self.context_length)]
-        if self.inflight is None or self.drafter.may_draft(reqs):  # with nothing in flight a look costs nothing
-            return True
-        self.stats.spec_looks_skipped += 1
-        self._no_drafts()
-        return False
-
-    def _speculating(self) -> bool:
-        if self.drafter is None:
-            return False
-        n = self._decoding()
-        return self.drafter.active(n) and (self.spec_gate is None or self.spec_gate.allows(n))
+    def _decodable(self) -> list[Req]:
+        return [r for r in self.running if r.decodable(self.context_length)]
 
     def _decoding(self) -> int:
         return sum(r.decodable(self.context_length) for r in self.running)
@@ -308,7 +272,8 @@ class Scheduler:
             self.stats.retractions += 1
             # Admission was too optimistic: assume requests need all they asked for, then relax again.
             self.new_token_ratio = 1.0
-        batch = self._schedule_verify() if verify and self._speculating() else None
+        speculating = verify and self.spec is not None and self.spec.speculating(self._decoding())
+        batch = self._schedule_verify() if speculating else None
         if batch is None:
             batch = schedule_decode(self.running, self.kv, self.req_pool, self.context_length)
         if batch is None:
@@ -321,22 +286,18 @@ class Scheduler:
 
     def _schedule_verify(self) -> ScheduledBatch | None:
         """A decode step with drafts (see speculative/drafter.py), or None when no request drafts."""
-        reqs = [r for r in self.running if r.decodable(self.context_length)]
+        reqs = self._decodable()
         if self.inflight is not None or any(r.pending_ref is not None for r in reqs):
             return None  # drafts and masks need every token so far; a step in flight has some of them
-        drafts, mask = self.drafter.propose(reqs, self.kv.room() - len(reqs)), None
+        drafts, mask = self.spec.propose(reqs, self.kv.room() - len(reqs)), None
         if any(drafts):
             drafts, mask = self.grammar.draft_masks(reqs, drafts)
         if not any(drafts):
-            self._no_drafts()
+            self.spec.no_drafts()
             return None
-        self._spec_idle = 0
+        self.spec.verifying(drafts)
         batch = build_verify(reqs, drafts, self.kv.alloc(len(reqs) + sum(map(len, drafts))), self.req_pool)
         batch.verify_mask = mask
-        drafting = sum(1 for d in drafts if d)
-        self.stats.spec_verify_steps += 1
-        self.stats.spec_drafting_requests += drafting
-        self.stats.spec_draft_tokens += sum(map(len, drafts))
         self.last_step = StepInfo("verify", len(reqs), len(batch.slots))
         return batch
 
@@ -364,8 +325,8 @@ class Scheduler:
                 self.kv.take_row(r)
             if not r.admitted:
                 r.admitted = True
-                self._spec_pause = 0  # a new request may draft: look at the next decode step (the pause's
-                # length stays, so a look that finds nothing waits as long as the last one did)
+                if self.spec is not None:
+                    self.spec.new_request()
                 r.cached_tokens = len(r.prefix_slots)
                 self.stats.prompt_tokens += len(r.input_ids)
                 self.stats.cached_tokens += r.cached_tokens

@@ -131,3 +131,42 @@ def test_gate_a_larger_batch_closed_by_a_smaller_ones_loss_measures_before_its_p
     assert opened_after == g.MEASURE_STEPS and gate.plain_rate(gate.bucket(32)) == pytest.approx(3000.0)
     _steps(gate, 32, 3000.0, 2000.0, 1 + g.PROBE_STEPS)  # the probe loses: judged on the short stretch
     assert not gate.allows(32) and gate.pause[gate.bucket(32)] == 2 * inherited
+
+
+def _drafting_steps(gate, n, plain, spec, count, longest):
+    """Like `_steps`, each open step verifying drafts of up to `longest` tokens."""
+    for _ in range(count):
+        is_open = gate.allows(n)
+        gate.observe(is_open, n, n, n / (spec if is_open else plain), longest if is_open else 0)
+
+
+def test_gate_halves_the_draft_length_before_it_closes():
+    """A loss with drafts longer than one token halves the bucket's cap (and larger buckets' that have not won)
+    and judges the shorter drafts on a short stretch; a win keeps the cap that won; a loss at one-token drafts
+    closes the bucket."""
+    gate = g.SpecGate(max_draft=8)
+    _until_open(gate, 8, 1000.0)  # 8 requests: drafting wins with full drafts
+    _drafting_steps(gate, 8, 1000.0, 1500.0, 1 + g.JUDGE_STEPS, longest=8)
+    _until_open(gate, 64, 1000.0)
+    assert gate.cap(64) == gate.cap(256) == 8
+    _drafting_steps(gate, 64, 1000.0, 400.0, 1 + g.PROBE_STEPS, longest=8)  # 64: a bad loss, judged early
+    assert gate.allows(64) and gate.closures == 0 and gate.cuts == 1  # still open, with drafts of 4
+    assert gate.cap(64) == gate.cap(256) == 4 and gate.cap(8) == 8  # larger batches follow, smaller ones not
+    _drafting_steps(gate, 64, 1000.0, 900.0, g.PROBE_STEPS, longest=4)  # the shorter drafts, judged short
+    assert gate.allows(64) and gate.cap(64) == 2 and gate.cuts == 2
+    _drafting_steps(gate, 64, 1000.0, 1100.0, g.PROBE_STEPS, longest=2)  # two-token drafts pay: kept
+    assert gate.allows(64) and gate.cap(64) == 2 and gate.bucket(64) in gate.won
+    # A cap halves what was drafted, not what was allowed: drafts of 3 under a cap of 8 leave 1
+    _until_open(gate, 2, 1000.0)
+    _drafting_steps(gate, 2, 1000.0, 900.0, 1 + g.JUDGE_STEPS, longest=3)
+    assert gate.cap(2) == 1 and gate.cap(8) == 8 and gate.cap(64) == 2  # 8 and 64 won on their own
+    _drafting_steps(gate, 2, 1000.0, 900.0, g.PROBE_STEPS, longest=1)  # one-token drafts lose: closed
+    assert not gate.allows(2) and gate.closures == 1 and gate.cuts == 3
+
+
+def test_gate_without_draft_lengths_closes_on_the_first_loss():
+    """Steps that report no draft length (0: as the tests above) are judged as before: a loss closes."""
+    gate = g.SpecGate(max_draft=8)
+    _until_open(gate, 8, 1000.0)
+    _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)
+    assert not gate.allows(8) and gate.cuts == 0 and gate.cap(8) == 8

@@ -314,6 +314,7 @@ def test_draft_length_and_back_off_follow_what_held():
     drafter.record(r, 4, 4)  # held in full: full length again
     assert drafter.propose([r], 100) == [[8, 9, 5, 6]]
     assert drafter.propose([r], 2) == [[8, 9]]  # no more than the KV room
+    assert drafter.propose([r], 100, cap=3) == [[8, 9, 5]]  # nor the gate's cap at this batch size
     drafter.record(r, 4, 1)  # mostly wrong: one plain step, then one token more than held
     assert drafter.propose([r], 100) == [[]]
     assert drafter.propose([r], 100) == [[8, 9]]
@@ -402,7 +403,7 @@ def test_steps_without_drafts_keep_the_overlap(ref, spec_overlap, monkeypatch, h
     at all, only counted. The answers stay plain decoding's."""
     params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
     s = spec_overlap.scheduler
-    monkeypatch.setattr(s.drafter, "propose", lambda reqs, room: [[] for _ in reqs])  # free text: no n-gram hits
+    monkeypatch.setattr(s.drafter, "propose", lambda reqs, room, cap=None: [[] for _ in reqs])  # free text: no hits
     asked = []
     monkeypatch.setattr(s.drafter, "may_draft", lambda reqs: asked.append(len(reqs)) or host_tokens_match)
     before = dict(in_order=s.stats.spec_in_order_steps, decode=s.stats.decode_steps, skipped=s.stats.spec_looks_skipped)
@@ -461,13 +462,13 @@ def test_the_default_measures_and_answers_as_plain_decoding(ref):
     e = _engine(speculative_algorithm="ngram", force_overlap_schedule=True)
     try:
         s = e.scheduler
-        assert s.spec_gate is not None and s.drafter.cfg.measured
+        assert s.spec.gate is not None and s.drafter.cfg.measured
         got = _texts(e, COPY_HEAVY[:1], params) + _texts(e, FREE_FORM, params)
         want = ref(COPY_HEAVY + FREE_FORM, params)  # the greedy test's plain answers (memoized), less COPY_HEAVY[1:]
         want = want[:1] + want[len(COPY_HEAVY) :]
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
-        assert s.spec_gate.step >= 40 and s.stats.spec_verify_steps >= 1  # it looked, and drafted at batch 1
-        assert s.stats.spec_gate_closures == s.spec_gate.closures
+        assert s.spec.gate.step >= 40 and s.stats.spec_verify_steps >= 1  # it looked, and drafted at batch 1
+        assert s.stats.spec_gate_closures == s.spec.gate.closures
         assert_engine_idle(e)
     finally:
         e.shutdown()
