@@ -215,7 +215,7 @@ def main():
                     plain = run(engines["plain"], ids, args.output_len, ignore_eos=True)["outputs"]
                     sch = engines["ngram"].scheduler
                     answers = {tuple(p): o for p, o in zip(ids, plain)}
-                    sch.drafter = sch.outputs.drafter = ForcedDrafter(
+                    sch.drafter = sch.outputs.drafter = sch.spec.drafter = ForcedDrafter(
                         sch.drafter, answers, args.forced_acceptance, engines["ngram"].runner.vocab_size
                     )
                     force_verify(sch.outputs, sch.drafter)

@@ -63,7 +63,9 @@ def main() -> None:
         e.flush_cache()
         if forced and name == "ngram":  # drafts: the plain run's answers, spoiled token by token
             p_right = args.forced_acceptance
-            sch.drafter = sch.outputs.drafter = ForcedDrafter(sch.drafter, answers, p_right, runner.vocab_size)
+            sch.drafter = sch.outputs.drafter = sch.spec.drafter = ForcedDrafter(
+                sch.drafter, answers, p_right, runner.vocab_size
+            )
             force_verify(sch.outputs, sch.drafter)
         inner = defaultdict(float)
         for fn in ("run_forward", "sample"):
