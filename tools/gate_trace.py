@@ -25,23 +25,19 @@ from radixlm.srt.speculative import gate as G  # noqa: E402
 
 
 def install(log: list) -> None:
-    observe, close, cut = G.SpecGate.observe, G.SpecGate._close, G.SpecGate._cut
+    observe, close = G.SpecGate.observe, G.SpecGate._close
 
-    def traced_observe(self, is_open, n, tokens, seconds, longest=0):
+    def traced_observe(self, is_open, n, tokens, seconds):
         log.append({"ev": "step", "step": self.step, "bucket": self.bucket(n), "n": n, "open": is_open,
-                    "tokens": tokens, "ms": round(seconds * 1e3, 3), "longest": longest})  # fmt: skip
-        return observe(self, is_open, n, tokens, seconds, longest)
-
-    def traced_cut(self, b, longest):
-        log.append({"ev": "cut", "step": self.step, "bucket": b, "longest": longest})
-        return cut(self, b, longest)
+                    "tokens": tokens, "ms": round(seconds * 1e3, 3)})  # fmt: skip
+        return observe(self, is_open, n, tokens, seconds)
 
     def traced_close(self, b, steps, measure=False):
         log.append({"ev": "close", "step": self.step, "bucket": b, "steps": steps, "measure": measure,
                     "pause": dict(self.pause), "lost": dict(self.lost)})  # fmt: skip
         return close(self, b, steps, measure)
 
-    G.SpecGate.observe, G.SpecGate._close, G.SpecGate._cut = traced_observe, traced_close, traced_cut
+    G.SpecGate.observe, G.SpecGate._close = traced_observe, traced_close
 
 
 def summary(log: list) -> str:

@@ -143,6 +143,9 @@ def main() -> None:
         if prof:
             st = pstats.Stats(prof)
             st.sort_stats("tottime").print_stats(25)
+            # the host's own Python by where it is spent (the forward's kernels sit under run_forward)
+            hosts = "scheduler|speculative|sampl|batch|mem_cache|grammar|forward_batch"
+            st.sort_stats("cumtime").print_stats(hosts, 40)
         e.shutdown()
 
 

@@ -27,7 +27,6 @@ class SchedulerStats:
     spec_in_order_steps: int = 0  # overlap: steps run in order to look for drafts (speculative/pacer.py)
     spec_looks_skipped: int = 0  # overlap: looks not run, the host's tokens matching nothing (Drafter.may_draft)
     spec_gate_closures: int = 0  # times a batch-size bucket stopped drafting because drafting lost (gate.py)
-    spec_gate_cuts: int = 0  # times a bucket's drafts were cut to half their length because drafting lost
 
     @property
     def cache_hit_rate(self) -> float:

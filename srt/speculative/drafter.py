@@ -22,8 +22,7 @@ What keeps it safe and cheap:
 - With several requests decoding on a CPU, a request drafts only while most of its drafts hold (`shared_floor`):
   past one row every extra row of a step costs compute there.
 - Nobody drafts at a batch size where steps with drafting measured fewer tokens per second than steps without
-  (gate.py), or, when the operator sets `--speculative-max-batch-size`, above that many decoding requests; where
-  drafts of k lost, the gate first tries shorter ones (`cap`).
+  (gate.py), or, when the operator sets `--speculative-max-batch-size`, above that many decoding requests.
 """
 
 from __future__ import annotations
@@ -75,14 +74,13 @@ class Drafter:
     def active(self, decoding: int) -> bool:
         return 0 < decoding and (self.cfg.max_batch_size is None or decoding <= self.cfg.max_batch_size)
 
-    def propose(self, reqs: list, room: int, cap: int | None = None) -> list[list[int]]:
+    def propose(self, reqs: list, room: int) -> list[list[int]]:
         """One draft per request (possibly empty), at most `room` draft tokens in all (KV slots beyond the one
-        each request needs anyway) and `cap` (default k) a request."""
+        each request needs anyway)."""
         drafts = []
         floor = self.cfg.shared_floor if len(reqs) > 1 else 0.0
-        cap = self.cfg.num_draft_tokens if cap is None else min(cap, self.cfg.num_draft_tokens)
         for r in reqs:
-            d = self._draft(r, room, floor, cap) if room > 0 else []
+            d = self._draft(r, room, floor) if room > 0 else []
             room -= len(d)
             drafts.append(d)
         return drafts
@@ -105,10 +103,10 @@ class Drafter:
                 self._ready(r, floor)
         return False
 
-    def _draft(self, r, room: int, floor: float, cap: int) -> list[int]:
+    def _draft(self, r, room: int, floor: float) -> list[int]:
         if r.sampling_params.has_penalties() or not self._ready(r, floor):
             return []
-        k = min(self._room(r, len(r.output_ids), cap if r.spec_len is None else min(cap, r.spec_len)), room)
+        k = min(self._room(r, len(r.output_ids), self.cfg.num_draft_tokens if r.spec_len is None else r.spec_len), room)
         return self._lookup(r, k) if k > 0 else []
 
     @staticmethod

@@ -25,13 +25,7 @@ Only steady steps count: one whose bucket and mode were those of the step before
 switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither.
 A stretch's rate leaves out steps that took several times its median step (a host pause, which would decide
 a judgement of ~16 one-millisecond steps by itself), and one won stretch after losses halves the pause the
-next loss doubles rather than forgetting it (a win may be noise).
-
-A loss with drafts longer than one token first halves the bucket's draft cap (and larger buckets' that have not
-won on their own) and judges the shorter drafts on a short stretch; only a loss at drafts of one token closes
-the bucket. A verify step carries 1 + k rows a request, and past a few hundred rows a forward is bound by
-compute: at 64 requests an 8B model's verify of 8-token drafts took 5.7 decode steps' time on an H200, where
-drafts of two or three can pay. Caps only come down (a bucket that lost at k does not try k again)."""
+next loss doubles rather than forgetting it (a win may be noise)."""
 
 from __future__ import annotations
 
@@ -53,12 +47,10 @@ class Stretch:
     times: list[float] = field(default_factory=list)  # each step's wall time
     tokens: list[int] = field(default_factory=list)  # and the tokens it gave
     _rate: tuple[int, float] = (0, 0.0)  # (steps, rate) last computed: a closed stretch is read every open step
-    longest: int = 0  # the longest draft any of its steps verified
 
-    def add(self, tokens: int, seconds: float, longest: int = 0) -> None:
+    def add(self, tokens: int, seconds: float) -> None:
         self.times.append(seconds)
         self.tokens.append(tokens)
-        self.longest = max(self.longest, longest)
 
     @property
     def steps(self) -> int:
@@ -79,11 +71,7 @@ class Stretch:
 
 
 class SpecGate:
-    def __init__(self, max_draft: int = 8):
-        self.max_draft = max_draft  # the configured k: a bucket's cap until a loss halves it
-        self.caps: dict[int, int] = {}
-        self.trial: set[int] = set()  # buckets whose cap was just halved: judged on PROBE_STEPS
-        self.cuts = 0  # times a bucket's cap was halved (reported as a stat)
+    def __init__(self):
         self.step = 0
         self.opened: dict[int, Stretch] = {}  # the open stretch being measured
         self.closed: dict[int, Stretch] = {}  # the current (or last) closed stretch
@@ -109,18 +97,13 @@ class SpecGate:
             self._close(b, MEASURE_STEPS, measure=True)
         return self.step >= self.closed_until[b]
 
-    def cap(self, n: int) -> int:
-        """The longest draft a request may verify at n decoding requests."""
-        return self.caps.get(self.bucket(n), self.max_draft)
-
     def plain_rate(self, b: int) -> float | None:
         s = self.closed.get(b)
         return s.rate if s is not None and s.steps >= MEASURE_STEPS // 2 else None
 
-    def observe(self, is_open: bool | None, n: int, tokens: int, seconds: float, longest: int = 0) -> None:
+    def observe(self, is_open: bool | None, n: int, tokens: int, seconds: float) -> None:
         """One scheduler step of n decoding requests: `is_open` whether drafting was allowed at its batch size
-        (None: an extend, counted nowhere), `tokens` the tokens it gave, `seconds` its wall time, `longest` the
-        longest draft it verified (0: none)."""
+        (None: an extend, counted nowhere), `tokens` the tokens it gave, `seconds` its wall time."""
         self.step += 1
         key = None if is_open is None else (is_open, self.bucket(n))
         steady, self._last = key is not None and key == self._last, key
@@ -131,19 +114,14 @@ class SpecGate:
             self.closed.setdefault(b, Stretch()).add(tokens, seconds)
             return
         s = self.opened.setdefault(b, Stretch())
-        s.add(tokens, seconds, longest)
+        s.add(tokens, seconds)
         plain = self.plain_rate(b)
-        short = s.steps >= PROBE_STEPS and (
-            b in self.pause or b in self.trial or (plain is not None and s.rate < EARLY_LOSS * plain)
-        )
+        short = s.steps >= PROBE_STEPS and (b in self.pause or (plain is not None and s.rate < EARLY_LOSS * plain))
         if s.steps < JUDGE_STEPS and not short:
             return
         if plain is None:  # nothing to compare with: decode plainly for a stretch
             self._close(b, MEASURE_STEPS, measure=True)
-        elif s.rate < plain and s.longest > 1:
-            self._cut(b, s.longest)
         elif s.rate < plain:
-            self.trial.discard(b)
             # a first loss by a factor f pauses f * f times FIRST_PAUSE (a 2x loss: 128 steps); each further one doubles
             first = FIRST_PAUSE * min((plain / max(s.rate, 1e-9)) ** 2, MAX_PAUSE / FIRST_PAUSE)
             last = self.lost.get(b, self.pause.get(b))  # its own last pause, else one a smaller bucket's loss set
@@ -157,7 +135,6 @@ class SpecGate:
                     self._close(larger, self.pause[b], measure=True)
         else:
             self.won.add(b)
-            self.trial.discard(b)
             self.pause.pop(b, None)
             # One won stretch may be the host's noise: the next loss pauses half as long as the last, not
             # FIRST_PAUSE again; wins in a row forget the losses.
@@ -168,17 +145,6 @@ class SpecGate:
             self.opened[b] = Stretch()  # judge the next stretch on its own
             if self.step >= self.refresh_at.setdefault(b, self.step + REFRESH_EVERY):
                 self._close(b, MEASURE_STEPS, measure=True)
-
-    def _cut(self, b: int, longest: int) -> None:
-        """Drafting lost at bucket b with drafts of up to `longest` tokens: half as long from now on, here and at
-        larger buckets that have not won on their own, judged on a short stretch."""
-        cap = max(1, min(self.caps.get(b, self.max_draft), longest) // 2)
-        for larger in range(b, _MAX_BUCKET + 1):
-            if larger == b or larger not in self.won:
-                self.caps[larger] = min(self.caps.get(larger, self.max_draft), cap)
-        self.trial.add(b)
-        self.opened[b] = Stretch()
-        self.cuts += 1
 
     def _close(self, b: int, steps: int, measure: bool = False) -> None:
         self.closed_until[b] = self.step + steps

@@ -1,5 +1,5 @@
 """The scheduler's speculative decoding between steps: whether a step may draft, when the overlap loop looks for
-drafts at all, how long the drafts may be, and what the gate learns from each step.
+drafts at all, and what the gate learns from each step.
 
 Drafts are looked up on the host from every token so far, so under the overlap scheduler a step that looks for
 drafts runs in order (the token in flight must reach the host first), as SGLang does with its n-gram drafts. A
@@ -26,18 +26,16 @@ class SpecPacer:
     def __init__(self, drafter: Drafter, overlap: bool, stats: SchedulerStats):
         self.drafter = drafter
         # measured: nobody drafts at batch sizes where steps with drafting delivered fewer tokens/s than without
-        self.gate = SpecGate(drafter.cfg.num_draft_tokens) if drafter.cfg.measured else None
+        self.gate = SpecGate() if drafter.cfg.measured else None
         self.overlap = overlap
         self.stats = stats
         self.pause = 0  # overlap steps left before drafts are looked for again (no_drafts)
         self.idle = 0  # the last pause's length
         self._view: tuple[int, bool, int, int] | None = None  # the gate's view of the step under way
-        self._longest = 0  # the longest draft this step verifies
 
     # --- a step's bookkeeping for the gate ----------------------------------------------------------------------
     def begin_step(self, decoding: int) -> None:
         """Before a step of `decoding` decodable requests: its batch size and whether drafting may run."""
-        self._longest = 0
         if self.gate is not None:
             st = self.stats
             self._view = (decoding, self.gate.allows(decoding), st.extend_steps, st.generated_tokens)
@@ -48,8 +46,8 @@ class SpecPacer:
         n, is_open, extends, tokens = self._view
         st = self.stats
         counted = None if st.extend_steps != extends or n == 0 else is_open  # extends count in neither mode
-        self.gate.observe(counted, n, st.generated_tokens - tokens, seconds, self._longest)
-        st.spec_gate_closures, st.spec_gate_cuts = self.gate.closures, self.gate.cuts
+        self.gate.observe(counted, n, st.generated_tokens - tokens, seconds)
+        st.spec_gate_closures = self.gate.closures
         self._view = None
 
     # --- whether and what to draft ------------------------------------------------------------------------------
@@ -71,13 +69,12 @@ class SpecPacer:
         return False
 
     def propose(self, reqs: list, room: int) -> list[list[int]]:
-        """The drafts for a verify step of `reqs` within `room` KV slots (Drafter.propose, at the gate's cap)."""
-        return self.drafter.propose(reqs, room, None if self.gate is None else self.gate.cap(len(reqs)))
+        """The drafts for a verify step of `reqs` within `room` KV slots (Drafter.propose)."""
+        return self.drafter.propose(reqs, room)
 
     def verifying(self, drafts: list[list[int]]) -> None:
         """A verify step with these drafts (after the grammar cut them) is scheduled."""
         self.idle = 0
-        self._longest = max(map(len, drafts))
         st = self.stats
         st.spec_verify_steps += 1
         st.spec_drafting_requests += sum(1 for d in drafts if d)

@@ -314,7 +314,6 @@ def test_draft_length_and_back_off_follow_what_held():
     drafter.record(r, 4, 4)  # held in full: full length again
     assert drafter.propose([r], 100) == [[8, 9, 5, 6]]
     assert drafter.propose([r], 2) == [[8, 9]]  # no more than the KV room
-    assert drafter.propose([r], 100, cap=3) == [[8, 9, 5]]  # nor the gate's cap at this batch size
     drafter.record(r, 4, 1)  # mostly wrong: one plain step, then one token more than held
     assert drafter.propose([r], 100) == [[]]
     assert drafter.propose([r], 100) == [[8, 9]]
@@ -403,7 +402,7 @@ def test_steps_without_drafts_keep_the_overlap(ref, spec_overlap, monkeypatch, h
     at all, only counted. The answers stay plain decoding's."""
     params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
     s = spec_overlap.scheduler
-    monkeypatch.setattr(s.drafter, "propose", lambda reqs, room, cap=None: [[] for _ in reqs])  # free text: no hits
+    monkeypatch.setattr(s.drafter, "propose", lambda reqs, room: [[] for _ in reqs])  # free text: no n-gram hits
     asked = []
     monkeypatch.setattr(s.drafter, "may_draft", lambda reqs: asked.append(len(reqs)) or host_tokens_match)
     before = dict(in_order=s.stats.spec_in_order_steps, decode=s.stats.decode_steps, skipped=s.stats.spec_looks_skipped)
