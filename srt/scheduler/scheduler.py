@@ -295,9 +295,9 @@ class Scheduler:
         if not any(drafts):
             self.spec.no_drafts()
             return None
-        self.spec.verifying(drafts)
         batch = build_verify(reqs, drafts, self.kv.alloc(len(reqs) + sum(map(len, drafts))), self.req_pool)
         batch.verify_mask = mask
+        self.spec.verifying(drafts)
         self.last_step = StepInfo("verify", len(reqs), len(batch.slots))
         return batch
 
