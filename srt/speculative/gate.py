@@ -8,7 +8,7 @@ batch-size bucket (1, 2-3, 4-7, 8-15, ...) it compares the tokens per second of 
 drafting allowed (open: verify steps, the decode steps between them, the in-order looks) against stretches
 with drafting off (closed); every JUDGE_STEPS open steps it judges the last stretch, and a bucket whose open
 stretch delivered less closes. A closed bucket opens again for a probe after a pause that doubles each time the
-probe loses (up to 1,024 steps; the first pause is set by how much drafting lost, below), so a workload that
+probe loses (up to 1,024 steps; the first pause is set by what drafting lost, below), so a workload that
 turns copy-heavy is noticed and free text pays little for the probes; a bucket where drafting keeps winning
 closes for a short stretch now and then to measure decoding afresh, as contexts grow and steps slow down.
 
@@ -16,10 +16,11 @@ A bucket starts closed, measuring decoding first (free: those steps run at plain
 the first time, or after a win, is judged on JUDGE_STEPS open steps (shorter stretches misjudge a winning
 bucket on a few unlucky drafts); one that lost before probes with PROBE_STEPS, because a losing probe is the
 gate's only cost and is paid again after every pause (a verify step can cost several decode steps: 4-5x for a
-small model on a GPU at 32 requests), and so does a stretch losing by half or more. The first pause grows with
-how badly drafting lost, and a loss closes the larger buckets too unless they have won on their own: drafting
-pays less as the batch grows, so a loss at 8 requests is news about 32 (which, when its pause ends, decodes
-plainly for a figure of its own before its first probe).
+small model on a GPU at 32 requests), and so does a stretch losing by half or more. The first pause is as long
+as makes a probe that loses as much cost PROBE_SHARE of the decoding between probes, and a loss closes the
+larger buckets too unless they have won on their own: drafting pays less as the batch grows, so a loss at 8
+requests is news about 32 (which, when its pause ends, decodes plainly for a figure of its own before its first
+probe).
 
 Only steady steps count: one whose bucket and mode were those of the step before it (the first step after a
 switch drains or refills the overlap pipeline, which is neither mode's own cost); extends count in neither.
@@ -35,8 +36,12 @@ JUDGE_STEPS = 16  # open steps per judgement
 PROBE_STEPS = 4  # ... for a bucket that lost before: its probes are paid again after every pause
 EARLY_LOSS = 0.5  # an open stretch delivering less than this share of decoding's rate is judged after PROBE_STEPS
 MEASURE_STEPS = 8  # closed steps taken to measure decoding when there is no fresh figure
-FIRST_PAUSE = 32  # steps a losing bucket stays closed before its first probe
+FIRST_PAUSE = 32  # fewest steps a losing bucket stays closed before its first probe
 MAX_PAUSE = 1024
+# A first loss pauses long enough that a probe losing as much costs at most this share of the decoding time the
+# pause spans (a verify step at 64 requests on an 8B model costs ~3 decode steps more than its tokens are worth:
+# a probe there is ~1,000 steps' 1.5%, where a fixed pause of a few hundred steps made the probes cost 5-8%)
+PROBE_SHARE = 0.015
 REFRESH_EVERY = 512  # steps between fresh measurements of decoding while drafting wins
 OUTLIER = 4.0  # a step taking over this many times a stretch's median step is a host pause, not the mode's cost
 _MAX_BUCKET = 20  # bucket of a million decoding requests
@@ -46,7 +51,8 @@ _MAX_BUCKET = 20  # bucket of a million decoding requests
 class Stretch:
     times: list[float] = field(default_factory=list)  # each step's wall time
     tokens: list[int] = field(default_factory=list)  # and the tokens it gave
-    _rate: tuple[int, float] = (0, 0.0)  # (steps, rate) last computed: a closed stretch is read every open step
+    # (steps, rate, seconds, tokens, kept steps) last computed: a closed stretch is read every open step
+    _kept: tuple[int, float, float, int, int] = (0, 0.0, 0.0, 0, 0)
 
     def add(self, tokens: int, seconds: float) -> None:
         self.times.append(seconds)
@@ -61,13 +67,27 @@ class Stretch:
         """Tokens per second over the stretch's steps, leaving out steps that took over OUTLIER times the median
         step: a host pause (a collection, a preempted core) of a few milliseconds in a stretch of ~1 ms steps
         would otherwise decide a judgement by itself. A verify step costs a few decode steps, well under it."""
-        if self._rate[0] == len(self.times):
-            return self._rate[1]
+        return self._trimmed()[1]
+
+    @property
+    def step_seconds(self) -> float:
+        """The mean step of the steps `rate` counts."""
+        _, _, seconds, _, steps = self._trimmed()
+        return seconds / steps if steps else 0.0
+
+    def lost_per_step(self, plain: float) -> float:
+        """Seconds a counted step took beyond what decoding at `plain` tokens/s needs for its tokens."""
+        _, _, seconds, tokens, steps = self._trimmed()
+        return max(0.0, seconds - tokens / plain) / steps if steps and plain > 0 else 0.0
+
+    def _trimmed(self) -> tuple[int, float, float, int, int]:
+        if self._kept[0] == len(self.times):
+            return self._kept
         cap = OUTLIER * sorted(self.times)[len(self.times) // 2] if len(self.times) >= 3 else float("inf")
         kept = [(t, n) for t, n in zip(self.times, self.tokens) if t <= cap]
-        seconds = sum(t for t, _ in kept)
-        self._rate = (len(self.times), sum(n for _, n in kept) / seconds if seconds > 0 else 0.0)
-        return self._rate[1]
+        seconds, tokens = sum(t for t, _ in kept), sum(n for _, n in kept)
+        self._kept = (len(self.times), tokens / seconds if seconds > 0 else 0.0, seconds, tokens, len(kept))
+        return self._kept
 
 
 class SpecGate:
@@ -122,8 +142,10 @@ class SpecGate:
         if plain is None:  # nothing to compare with: decode plainly for a stretch
             self._close(b, MEASURE_STEPS, measure=True)
         elif s.rate < plain:
-            # a first loss by a factor f pauses f * f times FIRST_PAUSE (a 2x loss: 128 steps); each further one doubles
-            first = FIRST_PAUSE * min((plain / max(s.rate, 1e-9)) ** 2, MAX_PAUSE / FIRST_PAUSE)
+            # a first loss pauses for as many steps as make a probe that loses as much (PROBE_STEPS + the switch)
+            # cost PROBE_SHARE of the decoding time between probes; each further loss doubles the pause
+            probe = (PROBE_STEPS + 1) * s.lost_per_step(plain)
+            first = min(max(probe / (PROBE_SHARE * self.closed[b].step_seconds), FIRST_PAUSE), MAX_PAUSE)
             last = self.lost.get(b, self.pause.get(b))  # its own last pause, else one a smaller bucket's loss set
             self.pause[b] = self.lost[b] = int(min(2 * last if last else first, MAX_PAUSE))
             self._close(b, self.pause[b])

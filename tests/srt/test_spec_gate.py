@@ -34,13 +34,16 @@ def test_gate_closes_a_batch_size_where_drafting_loses_and_probes_it_again():
     # larger batches gain less: they close as long; smaller ones keep their own record (none yet)
     assert not gate.allows(16) and not gate.allows(200)
     assert gate.bucket(4) not in gate.closed_until and gate.bucket(1) not in gate.closed_until
-    first = int(g.FIRST_PAUSE * (1000.0 / 600.0) ** 2)  # the first pause grows with the loss
+    # the first pause: a probe losing as much (5 steps, each 8/600 - 8/1000 s beyond its tokens' worth) costs
+    # PROBE_SHARE of the 8 ms decode steps between probes
+    first = int((g.PROBE_STEPS + 1) * (8 / 600.0 - 8 / 1000.0) / (g.PROBE_SHARE * 8 / 1000.0))
+    assert g.FIRST_PAUSE < first < g.MAX_PAUSE // 4
     pauses = []
     for _ in range(7):
         pauses.append(_until_open(gate, 8, 1000.0))
         _steps(gate, 8, 1000.0, 600.0, 1 + g.PROBE_STEPS)  # the probe (short: this bucket lost before) loses again
         assert not gate.allows(8)
-    assert pauses == [first, 2 * first, 4 * first, 8 * first, g.MAX_PAUSE, g.MAX_PAUSE, g.MAX_PAUSE], pauses
+    assert pauses == [min(first * 2**i, g.MAX_PAUSE) for i in range(7)], pauses
     assert gate.closures == 8
     # The text turned copyable: the next probe wins, and the bucket stays open.
     _until_open(gate, 8, 1000.0)
@@ -100,8 +103,8 @@ def test_gate_a_won_stretch_after_losses_halves_the_next_pause():
     b = gate.bucket(8)
     _until_open(gate, 8, 1000.0)
     pauses = []
-    for _ in range(4):  # four losses: the pause doubles
-        _steps(gate, 8, 1000.0, 600.0, 1 + g.JUDGE_STEPS)
+    for _ in range(4):  # four mild losses: the pause (short: the probes lose little) doubles
+        _steps(gate, 8, 1000.0, 900.0, 1 + g.JUDGE_STEPS)
         pauses.append(gate.pause[b])
         _until_open(gate, 8, 1000.0)
     assert pauses == [pauses[0] * 2**i for i in range(4)], pauses
