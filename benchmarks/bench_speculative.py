@@ -131,13 +131,7 @@ def force_verify(outputs, drafter: ForcedDrafter) -> None:
     outputs._process_verify = forced
 
 
-STEP_COUNTS = (
-    "decode_steps",
-    "spec_verify_steps",
-    "spec_in_order_steps",
-    "spec_looks_skipped",
-    "spec_gate_closures",
-)
+STEP_COUNTS = ("decode_steps", "spec_verify_steps", "spec_in_order_steps", "spec_looks_skipped", "spec_gate_closures")
 
 
 def run(engine, ids: list[list[int]], output_len: int, ignore_eos: bool = False) -> dict:

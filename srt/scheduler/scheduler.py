@@ -170,7 +170,7 @@ class Scheduler:
             # how many of a verify step's tokens were accepted is known only once it is processed: nothing is
             # scheduled after one before that
             outputs = self._process_inflight()
-        if self.spec is not None and self.spec.look_in_order(self._decodable(), self.inflight is not None):
+        if self.spec is not None and self.spec.look_in_order(self._decodable, self.inflight is not None):
             self.stats.spec_in_order_steps += 1
             # A look for drafts needs every token so far on the host (speculative/pacer.py). The step launched
             # here stays in flight until the next step: its predecessor's outputs are streamed and new requests

@@ -11,6 +11,7 @@ could match anything (Drafter.may_draft). A new request ends the pause: it may d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from radixlm.srt.speculative.drafter import Drafter
@@ -54,12 +55,13 @@ class SpecPacer:
     def speculating(self, decoding: int) -> bool:
         return self.drafter.active(decoding) and (self.gate is None or self.gate.allows(decoding))
 
-    def look_in_order(self, reqs: list, inflight: bool) -> bool:
-        """Overlap loop: whether this step runs in order to look for drafts for `reqs` (the decodable requests;
-        `inflight`: a step is on the device)."""
+    def look_in_order(self, decodable: Callable[[], list], inflight: bool) -> bool:
+        """Overlap loop: whether this step runs in order to look for drafts for the decodable requests (listed
+        only when a look is due: most overlapped steps are inside a pause; `inflight`: a step is on the device)."""
         if self.pause > 0:
             self.pause -= 1
             return False
+        reqs = decodable()
         if not self.speculating(len(reqs)):
             return False
         if not inflight or self.drafter.may_draft(reqs):  # with nothing in flight a look costs nothing
