@@ -141,11 +141,12 @@ def build_verify(
     """Speculative verify: each running request computes its last token and its draft in one extend, and every
     one of those positions is sampled (row j of a request predicts the token after its j-th draft token)."""
     input_ids, positions, seq_lens, prefix_lens, ext_lens, sample_pos, offsets = [], [], [], [], [], [], []
+    rows = []  # each position's request row: the slots go into the table in one write (one device copy)
     offset = 0
     for i, (r, d) in enumerate(zip(reqs, drafts)):
         n = 1 + len(d)
         start = r.kv_len
-        req_pool.write(r.req_pool_idx, start, slots[offset : offset + n])
+        rows += [r.req_pool_idx] * n
         input_ids += [decode_input(r), *d]
         positions += range(start, start + n)
         prefix_lens.append(start)
@@ -155,6 +156,7 @@ def build_verify(
         sample_pos += [i] * n
         offsets += range(n)
         offset += n
+    req_pool.write_many(torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), slots)
     spec = BatchSpec(
         ForwardMode.EXTEND,
         input_ids,

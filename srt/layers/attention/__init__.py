@@ -72,7 +72,9 @@ def create_backend(name: str, runner) -> "AttentionBackend":
     if name == "triton":
         from radixlm.srt.layers.attention.triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend(cfg.num_kv_heads, runner.device, cfg.head_dim, runner.kv_dtype)
+        return TritonAttnBackend(
+            cfg.num_kv_heads, runner.device, cfg.head_dim, runner.kv_dtype, group=cfg.num_heads // cfg.num_kv_heads
+        )
     from radixlm.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
     return FlashInferAttnBackend(

@@ -1,4 +1,5 @@
-"""Attention through our Triton kernels (kernels/): split-KV decode and ragged paged extend.
+"""Attention through our Triton kernels (kernels/): split-KV decode, ragged paged extend, and the short extends
+of a speculative verify step.
 
 Needs no compilation step beyond Triton's JIT; every launch reads only tensors, so CUDA graphs capture decode
 batches and, through a fixed-size layout of their metadata (`ExtendLayout`), extend and mixed batches too.
@@ -17,6 +18,7 @@ from radixlm.kernels.decode_attention import decode_attention
 from radixlm.kernels.decode_attention_rows import decode_attention_rows, rows_items_cap
 from radixlm.kernels.decode_launch import decode_num_splits
 from radixlm.kernels.extend_attention import extend_attention, extend_block_m, extend_blocks
+from radixlm.kernels.short_extend_attention import short_caps, short_extend_attention, short_max_tokens, short_splits
 from radixlm.srt.layers.attention.base import AttentionBackend
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 from radixlm.srt.utils import to_device
@@ -26,10 +28,13 @@ from radixlm.srt.utils import to_device
 class TritonMetadata:
     num_splits: int = 1  # decode: KV splits per request (fixed per batch size, so graphs can capture it)
     # Extend batches. One-token rows (decodes riding along a prompt chunk) go through the decode kernel, whose
-    # work item per (row, KV head, split) does not pay for a block of empty query rows; the others through the
-    # extend kernel's block table. See ExtendLayout.
+    # work item per (row, KV head, split) does not pay for a block of empty query rows; requests of a few tokens
+    # (a verify step's drafts) through the short-extend kernel, whose item per (request, KV head, split) holds
+    # all their rows; the others through the extend kernel's block table. See ExtendLayout.
     single: tuple[torch.Tensor, ...] | None = None  # (q rows, req_pool_indices, seq_lens, ctl [count, splits])
     single_items: int = 0  # (row, split) items the decode kernel buffers for
+    short: tuple[torch.Tensor, ...] | None = None  # (req_pool_indices, prefix lens, extend lens, starts, ctl)
+    short_caps: tuple[int, int, int] = (0, 0, 0)  # the short-extend launch's room (kernels' `short_caps`)
     multi: tuple[torch.Tensor, ...] | None = None  # (req_pool_indices, prefix lens, extend lens, starts, blocks)
     padded: bool = False  # a graph's layout: rows past the batch get zeros, not whatever memory held
 
@@ -43,14 +48,16 @@ def _even(n: int) -> int:
 @dataclass(frozen=True)
 class ExtendLayout:
     """An extend batch's attention metadata as one int64 array, for room for `singles` one-token rows,
-    `multis` longer requests and `blocks` extend-kernel blocks: [single q rows, single req rows, single seq
-    lens] x singles, ctl (count, splits), [multi req rows, prefix lens, extend lens, starts] x multis, [block
-    request (-1: unused), block index] x blocks. The exact layout of a batch is what an eager forward copies
-    over; a CUDA graph keeps a larger one per token bucket and replays with any batch that fits."""
+    `multis` longer requests, `blocks` extend-kernel blocks and `shorts` requests of a few tokens: [single q
+    rows, single req rows, single seq lens] x singles, ctl (count, splits), [multi req rows, prefix lens, extend
+    lens, starts] x multis, [short req rows, prefix lens, extend lens, starts] x shorts, short ctl (count,
+    splits), [block request (-1: unused), block index] x blocks. The exact layout of a batch is what an eager
+    forward copies over; a CUDA graph keeps a larger one per token bucket and replays with any batch that fits."""
 
     singles: int
     multis: int
     blocks: int
+    shorts: int = 0
 
     @property
     def size(self) -> int:
@@ -65,8 +72,12 @@ class ExtendLayout:
         return self.ctl_at + 2
 
     @property
-    def blocks_at(self) -> int:
+    def shorts_at(self) -> int:
         return self.multis_at + 4 * self.multis
+
+    @property
+    def blocks_at(self) -> int:
+        return self.shorts_at + 4 * self.shorts + 2
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -74,8 +85,17 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_extend_graph = True
 
-    def __init__(self, num_kv_heads: int, device: torch.device, head_dim: int, kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        num_kv_heads: int,
+        device: torch.device,
+        head_dim: int,
+        kv_dtype: torch.dtype | None = None,
+        group: int = 1,
+    ):
         self.num_kv_heads = num_kv_heads
+        # requests of 2..short_max new tokens take the short-extend kernel (0: none; `group` query heads per KV head)
+        self.short_max = short_max_tokens(group)
         self.kv_dtype = kv_dtype  # the pool's: an e4m3 pool splits the KV differently (decode_num_splits)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.block_m = extend_block_m(head_dim, device.type == "cuda")
@@ -93,15 +113,20 @@ class TritonAttnBackend(AttentionBackend):
             fb.attn_metadata = TritonMetadata(num_splits=self._splits(fb.batch_size))
             return
         lens = fb.extend_seq_lens_cpu
-        singles = sum(1 for n in lens if n == 1)
-        layout = ExtendLayout(
-            _even(singles), _even(len(lens) - singles), _even(sum(-(-n // self.block_m) for n in lens if n != 1))
-        )
+        kinds = [self._kind(n) for n in lens]
+        singles, shorts = kinds.count(0), kinds.count(1)
+        blocks = sum(-(-n // self.block_m) for n, k in zip(lens, kinds) if k == 2)
+        layout = ExtendLayout(_even(singles), _even(kinds.count(2)), _even(blocks), _even(shorts))
         host = torch.empty(layout.size, dtype=torch.int64)
         self.fill_extend(
             host.numpy(), layout, fb.extend_prefix_lens_cpu, lens, fb.req_pool_indices_cpu, fb.seq_lens_cpu
         )
-        fb.attn_metadata = self.extend_metadata(to_device(host, fb.extend_seq_lens.device), layout, rows=singles)
+        dev = to_device(host, fb.extend_seq_lens.device)
+        fb.attn_metadata = self.extend_metadata(dev, layout, counts=(singles, shorts))
+
+    def _kind(self, n: int) -> int:
+        """Which kernel a request of n new tokens takes: 0 the decode rows', 1 the short extend's, 2 the extend's."""
+        return 0 if n == 1 else 1 if n <= self.short_max else 2
 
     # --- extend metadata in a fixed layout (eager batches and extend CUDA graphs) ----------------------------
     def extend_graph_layout(self, tokens: int, max_rows: int) -> ExtendLayout:
@@ -112,18 +137,23 @@ class TritonAttnBackend(AttentionBackend):
         288-token mixed step took 1.6x as long with room for 128 prompts as with room for 33 (its programs hold
         enough shared memory that few fit on an SM, returning or not)."""
         multis = _even(max(1, min(tokens // 2, 32, max_rows)))
-        return ExtendLayout(_even(min(tokens, max_rows, 256)), multis, _even(-(-tokens // self.block_m) + multis))
+        shorts = _even(min(tokens // 2, max_rows, 256)) if self.short_max else 0
+        return ExtendLayout(
+            _even(min(tokens, max_rows, 256)), multis, _even(-(-tokens // self.block_m) + multis), shorts
+        )
 
     def fits_extend(self, layout: ExtendLayout, extend_lens: list[int]) -> bool:
-        singles = sum(1 for n in extend_lens if n == 1)
-        return singles <= layout.singles and len(extend_lens) - singles <= layout.multis
+        kinds = [self._kind(n) for n in extend_lens]
+        return kinds.count(0) <= layout.singles and kinds.count(1) <= layout.shorts and kinds.count(2) <= layout.multis
 
     def fill_extend(self, arr: np.ndarray, layout: ExtendLayout, prefix_lens, extend_lens, rows, seq_lens) -> None:
         """Write a batch (that fits) into `arr` in `layout`; unused room is zeros, unused blocks request -1."""
         s, r, nb = layout.singles, layout.multis, layout.blocks
         arr[:] = 0
-        one = [i for i, n in enumerate(extend_lens) if n == 1]
-        multi = [i for i, n in enumerate(extend_lens) if n != 1]
+        kinds = [self._kind(n) for n in extend_lens]
+        one = [i for i, k in enumerate(kinds) if k == 0]
+        short = [i for i, k in enumerate(kinds) if k == 1]
+        multi = [i for i, k in enumerate(kinds) if k == 2]
         starts = list(itertools.accumulate(extend_lens, initial=0))
         for sec, values in enumerate((starts, rows, seq_lens)):
             arr[sec * s : sec * s + len(one)] = [values[i] for i in one]
@@ -132,19 +162,29 @@ class TritonAttnBackend(AttentionBackend):
         m = layout.multis_at
         for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
             arr[m + sec * r : m + sec * r + len(multi)] = [values[i] for i in multi]
+        t, sh = layout.shorts_at, layout.shorts
+        for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
+            arr[t + sec * sh : t + sec * sh + len(short)] = [values[i] for i in short]
+        arr[t + 4 * sh : t + 4 * sh + 2] = (
+            len(short),
+            short_splits(len(short), self.num_kv_heads, self.num_sms, self.kv_dtype),
+        )
         reqs, blocks = extend_blocks([extend_lens[i] for i in multi], self.block_m)
         b = layout.blocks_at
         arr[b : b + nb] = -1
         arr[b : b + len(reqs)] = reqs
         arr[b + nb : b + nb + len(blocks)] = blocks
 
-    def extend_metadata(self, dev: torch.Tensor, layout: ExtendLayout, rows: int | None = None) -> TritonMetadata:
-        """Metadata viewing `dev`, a device copy of an array `fill_extend` wrote in `layout`. `rows`: the layout
-        is this batch's own, with that many one-token rows (no room to spare beyond the even rounding), so
-        parts it has none of are skipped and the decode kernel's launch is sized to the batch; None: a graph's
-        layout, whose launches are sized for any batch that fits."""
+    def extend_metadata(
+        self, dev: torch.Tensor, layout: ExtendLayout, counts: tuple[int, int] | None = None
+    ) -> TritonMetadata:
+        """Metadata viewing `dev`, a device copy of an array `fill_extend` wrote in `layout`. `counts`: the
+        layout is this batch's own, with that many one-token rows and short requests (no room to spare beyond
+        the even rounding), so parts it has none of are skipped and the decode and short kernels' launches are
+        sized to the batch; None: a graph's layout, whose launches are sized for any batch that fits."""
         s, r, nb = layout.singles, layout.multis, layout.blocks
-        exact = rows is not None
+        exact = counts is not None
+        rows, shorts = counts if exact else (None, None)
         md = TritonMetadata(padded=not exact)
         if s or not exact:
             c = layout.ctl_at
@@ -154,6 +194,15 @@ class TritonAttnBackend(AttentionBackend):
                 if exact
                 else rows_items_cap(s, self.num_kv_heads, self.num_sms, self.kv_dtype)
             )
+        sh = layout.shorts
+        if exact and shorts or not exact and sh:
+            t = layout.shorts_at
+            md.short = (*(dev[t + sec * sh : t + (sec + 1) * sh] for sec in range(4)), dev[t + 4 * sh : t + 4 * sh + 2])
+            if exact:
+                splits = short_splits(shorts, self.num_kv_heads, self.num_sms, self.kv_dtype)
+                md.short_caps = (shorts * splits, shorts if splits > 1 else 0, shorts * splits)
+            else:
+                md.short_caps = short_caps(sh, self.num_kv_heads, self.num_sms, self.kv_dtype)
         if r or not exact:
             m, b = layout.multis_at, layout.blocks_at
             md.multi = (*(dev[m + sec * r : m + (sec + 1) * r] for sec in range(4)), dev[b : b + 2 * nb].view(2, nb))
@@ -189,6 +238,8 @@ class TritonAttnBackend(AttentionBackend):
         scales = pool.scales(layer.layer_id)
         if md.single is not None:  # the decode kernel reads and writes those rows in place
             decode_attention_rows(q, k_cache, v_cache, r2t, *md.single, layer.scaling, out, md.single_items, **scales)
+        if md.short is not None:
+            short_extend_attention(q, k_cache, v_cache, r2t, *md.short, layer.scaling, out, md.short_caps, **scales)
         if md.multi is not None:
             extend_attention(q, k_cache, v_cache, r2t, *md.multi, layer.scaling, out=out, **scales)
         return out.view(q.shape[0], -1)
