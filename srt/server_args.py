@@ -166,6 +166,12 @@ class ServerArgs:
         "draft only while at most this many requests decode (default: measured; nobody drafts at batch sizes "
         "where steps with drafting delivered fewer tokens per second than steps without, re-probed now and then)",
     )
+    speculative_max_verify_tokens: int | None = _opt(
+        None,
+        "most tokens one verify step computes (each drafting request's last token and its draft): drafts are "
+        "cut to fit, so a large batch drafts few tokens a request; default 256 on a GPU (about where a step's "
+        "matmuls turn from reading weights to computing), no limit on a CPU",
+    )
     grammar_backend: str = _opt(
         "auto",
         "constrained decoding backend: auto picks, per request, the first of "
@@ -204,6 +210,7 @@ class ServerArgs:
             "extend_cuda_graph_max_tokens",
             "speculative_num_draft_tokens",
             "speculative_max_batch_size",
+            "speculative_max_verify_tokens",
         ):
             value = getattr(self, name)
             if value is not None and value <= 0:

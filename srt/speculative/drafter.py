@@ -21,6 +21,10 @@ What keeps it safe and cheap:
   drafting again, so free-form text with spurious n-gram matches costs little.
 - With several requests decoding on a CPU, a request drafts only while most of its drafts hold (`shared_floor`):
   past one row every extra row of a step costs compute there.
+- A verify step computes at most `max_verify_tokens` tokens (on a GPU by default 256): a batch of B requests
+  drafts at most that / B - 1 tokens a request. Up to a few hundred tokens a step's matmuls cost about what
+  reading the weights costs; past that they compute, and a large batch's long drafts make a verify step cost
+  several decode steps for the few tokens a request each draft gives.
 - Nobody drafts at a batch size where steps with drafting measured fewer tokens per second than steps without
   (gate.py), or, when the operator sets `--speculative-max-batch-size`, above that many decoding requests.
 """
@@ -34,6 +38,7 @@ from radixlm.srt.speculative.ngram import NgramIndex
 _MAX_SKIP = 16
 DEFAULT_DRAFT_TOKENS = 8  # k where --speculative-num-draft-tokens is not given (GPU) ...
 DEFAULT_DRAFT_TOKENS_CPU = 4  # ... and on a CPU
+DEFAULT_MAX_VERIFY_TOKENS = 256  # a verify step's tokens where --speculative-max-verify-tokens is not given (GPU)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class SpecConfig:
     # After a draft that held in full the next may be twice as long (else one token longer): where a verify
     # step's rows cost little more than one row (a GPU at small batches).
     ramp_doubles: bool = False
+    # The most tokens a verify step computes (None: no limit): drafts are cut to fit.
+    max_verify_tokens: int | None = None
 
     @property
     def measured(self) -> bool:
@@ -61,8 +68,10 @@ class SpecConfig:
         # On a GPU a small batch's verify step costs about the same for 5 or 9 rows and drafts grow by doubling,
         # so a longer cap pays where drafts hold; on a CPU every row costs compute.
         k = args.speculative_num_draft_tokens or (DEFAULT_DRAFT_TOKENS_CPU if cpu else DEFAULT_DRAFT_TOKENS)
+        budget = args.speculative_max_verify_tokens or (None if cpu else DEFAULT_MAX_VERIFY_TOKENS)
         return cls(k, args.speculative_ngram_min, args.speculative_ngram_max,
-                   args.speculative_max_batch_size, 0.7 if cpu else 0.0, ramp_doubles=not cpu)  # fmt: skip
+                   args.speculative_max_batch_size, 0.7 if cpu else 0.0, ramp_doubles=not cpu,
+                   max_verify_tokens=budget)  # fmt: skip
 
 
 class Drafter:
@@ -79,8 +88,10 @@ class Drafter:
         each request needs anyway)."""
         drafts = []
         floor = self.cfg.shared_floor if len(reqs) > 1 else 0.0
+        budget = self.cfg.max_verify_tokens  # each request's own row is computed anyway: drafts share the rest
+        cap = max(0, budget // len(reqs) - 1) if budget is not None and reqs else None
         for r in reqs:
-            d = self._draft(r, room, floor) if room > 0 else []
+            d = self._draft(r, room if cap is None else min(room, cap), floor) if room > 0 else []
             room -= len(d)
             drafts.append(d)
         return drafts

@@ -388,6 +388,42 @@ def test_draft_length_doubles_after_full_holds_where_rows_are_cheap():
     assert [SpecConfig.from_args(args, d).num_draft_tokens for d in ("cuda", "cpu")] == [5, 5]
 
 
+def test_verify_step_tokens_stay_within_the_budget():
+    """A verify step computes at most max_verify_tokens tokens: B requests draft at most budget // B - 1 each
+    (none past half the budget's worth of requests), below that the draft length rules alone; the GPU
+    default is 256 tokens, a CPU has none, an operator's value wins on both."""
+    from radixlm.srt.mem_cache.radix_cache import ChunkCache
+    from radixlm.srt.sampling.sampling_params import SamplingParams
+    from radixlm.srt.scheduler.req import Req
+    from radixlm.srt.speculative.drafter import Drafter, SpecConfig
+
+    def reqs(n):
+        out = []
+        for i in range(n):
+            r = Req(str(i), list(range(5, 40)) * 2, SamplingParams(max_new_tokens=64), seed=0, max_new_tokens=64)
+            r.output_ids = [5, 6, 7]
+            out.append(r)
+        return out
+
+    drafter = Drafter(SpecConfig(8, 2, 4, None, ramp_doubles=True, max_verify_tokens=32), ChunkCache(None), 4096)
+    assert drafter.propose(reqs(2), 100) == [list(range(8, 16))] * 2  # 2 x 9 rows: k alone
+    assert drafter.propose(reqs(8), 100) == [[8, 9, 10]] * 8  # 8 x (1 + 3) = 32
+    assert drafter.propose(reqs(10), 100) == [[8, 9]] * 10  # 30 rows
+    assert drafter.propose(reqs(16), 100) == [[8]] * 16  # 32 rows
+    assert drafter.propose(reqs(17), 100) == [[]] * 17  # two rows each would not fit
+    unlimited = Drafter(SpecConfig(8, 2, 4, None), ChunkCache(None), 4096)
+    assert unlimited.propose(reqs(16), 1000) == [list(range(8, 16))] * 16
+    assert SpecConfig.from_args(_spec_args(), "cuda").max_verify_tokens == 256
+    assert SpecConfig.from_args(_spec_args(), "cpu").max_verify_tokens is None
+    args = _spec_args()
+    args.speculative_max_verify_tokens = 64
+    assert [SpecConfig.from_args(args, d).max_verify_tokens for d in ("cuda", "cpu")] == [64, 64]
+    with pytest.raises(ValueError, match="speculative_max_verify_tokens must be positive"):
+        from radixlm.srt.server_args import ServerArgs
+
+        ServerArgs(model_path=None, speculative_algorithm="ngram", speculative_max_verify_tokens=0)
+
+
 def _spec_args():
     from radixlm.srt.server_args import ServerArgs
 
