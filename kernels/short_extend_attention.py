@@ -9,7 +9,7 @@ KV is read once per KV head as in decode attention, and the causal mask lets tok
 position. As in `decode_attention_rows`, the request count and the split count are read on the device (`ctl`)
 and the grid is sized for the most items the buffers have room for, so a CUDA graph holds the launch whatever the
 batch; with one split (many requests) stage 1 writes the output itself, else stage 2 merges the splits by their
-log-sum-exp.
+log-sum-exps.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import torch
 
 from radixlm.kernels import INTERPRET, dot_precision, next_pow2
 from radixlm.kernels._triton import tl, triton
-from radixlm.kernels.decode_attention import _LOG2E, _e4m3_to_f16_staged, _merge_splits
+from radixlm.kernels.decode_attention import _LOG2E, _e4m3_to_f16_staged
 from radixlm.kernels.decode_launch import (
-    MAX_SPLITS,
     _max_shared,
     decode_num_splits,
     default_f16_dot,
@@ -216,36 +215,46 @@ def _short_stage2(
     o_scale,
     H: tl.constexpr,
     D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
-    # one (request, head, token) a program: a loop over the tokens would chain their loads' latencies
+    # One (request, head) a program, all its tokens at once: a grid per token would be mostly programs with
+    # nothing to do, and a loop over the tokens would chain their loads' latencies. The splits are folded in
+    # as an online softmax over their log-sum-exps.
     n_reqs = tl.load(ctl_ptr).to(tl.int32)
     splits = tl.load(ctl_ptr + 1).to(tl.int32)
     item = tl.program_id(0)
-    j = tl.program_id(1)
     if splits == 1 or item >= n_reqs * H:
         return
     b = item // H
     h = item % H
-    if j >= tl.load(ext_ptr + b).to(tl.int32):
-        return
+    t = tl.arange(0, BLOCK_T)
+    tmask = t < tl.load(ext_ptr + b).to(tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    mask = tmask[:, None] & (d < D)[None, :]
     q0 = tl.load(qstart_ptr + b).to(tl.int64)
     first = (b * splits).to(tl.int64)
-    _merge_splits(
-        mid_o_ptr,
-        mid_lse_ptr,
-        out_ptr,
-        first * stride_moi + j * stride_mot + h * stride_moh,
-        first * stride_mli + j * stride_mlt + h,
-        (q0 + j) * stride_ot + h * stride_oh,
-        stride_moi,
-        stride_mli,
-        splits,
-        o_scale,
-        D=D,
-        BLOCK_D=BLOCK_D,
-        BLOCK_S=BLOCK_S,
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for s in range(0, splits):
+        mid = first + s
+        lse = tl.load(mid_lse_ptr + mid * stride_mli + t * stride_mlt + h, mask=tmask, other=float("-inf"))
+        o = tl.load(
+            mid_o_ptr + mid * stride_moi + t[:, None] * stride_mot + h * stride_moh + d[None, :], mask=mask, other=0.0
+        )
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split so far saw a key (an empty split)
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        w_sum = w_sum * alpha + w
+        m = m_new
+    out = acc * (o_scale / tl.where(w_sum > 0, w_sum, 1.0))[:, None]
+    tl.store(
+        out_ptr + (q0 + t)[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
     )
 
 
@@ -325,7 +334,7 @@ def short_extend_attention(
         num_stages=num_stages,
     )
     if merged:
-        _short_stage2[(merged * h, t_max)](
+        _short_stage2[(merged * h,)](
             mid_o,
             mid_lse,
             out,
@@ -342,8 +351,8 @@ def short_extend_attention(
             v_scale,
             H=h,
             D=d,
+            BLOCK_T=max(2, next_pow2(t_max)),
             BLOCK_D=block_d,
-            BLOCK_S=max(2, next_pow2(MAX_SPLITS)),
             num_warps=4,
         )
     return out
