@@ -58,6 +58,10 @@ class ReqToTokenPool:
     def slots(self, idx: int, length: int) -> torch.Tensor:
         return self.host[idx, :length].to(torch.int64)
 
+    def slot_range(self, idx: int, start: int, end: int) -> torch.Tensor:
+        """A view of row idx's slots start..end-1 (int32, the host table's): copy it to keep it."""
+        return self.host[idx, start:end]
+
 
 # Freed pieces kept apart before they are joined into one (bounds the list; joining them costs what they hold).
 _MAX_FREED_PIECES = 1024

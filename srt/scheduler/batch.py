@@ -210,8 +210,11 @@ def sampling_info(
     """`offsets`: per row, how many tokens past its request's current ones the row samples (speculative verify:
     the seeded noise and min_new_tokens are those of that later step)."""
     ps = [r.sampling_params for r in reqs]
-    steps = [r.produced() for r in reqs] if offsets is None else [r.produced() + o for r, o in zip(reqs, offsets)]
     greedy = [p.is_greedy for p in ps]
+    # each row's step: the seeded noise's and min_new_tokens' (a greedy batch without min_new_tokens needs neither)
+    steps = []
+    if not all(greedy) or any(p.min_new_tokens for p in ps):
+        steps = [r.produced() for r in reqs] if offsets is None else [r.produced() + o for r, o in zip(reqs, offsets)]
 
     def f(values, dtype=torch.float32):
         return to_device(torch.tensor(values, dtype=dtype), device)
@@ -245,7 +248,7 @@ def sampling_info(
     banned = [
         (i, t)
         for i, r in enumerate(reqs)
-        if steps[i] < r.sampling_params.min_new_tokens
+        if steps and steps[i] < r.sampling_params.min_new_tokens
         for t in r.stop_token_ids
         if t < vocab_size
     ]

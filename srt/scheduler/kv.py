@@ -70,8 +70,8 @@ class ReqKV:
         if r.req_pool_idx is None or r.kv_len <= n:
             return
         n = max(n, len(r.prefix_slots))
-        slots = self.req_pool.slots(r.req_pool_idx, r.kv_len)
-        self.kv_pool.free(slots[n:])
+        # only the freed part of the row is read (a verify step truncates every request whose draft failed)
+        self.kv_pool.free(self.req_pool.slot_range(r.req_pool_idx, n, r.kv_len))
         r.kv_len = n
 
     def publish_prefix(self, r: Req) -> None:
