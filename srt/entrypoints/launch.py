@@ -151,6 +151,12 @@ def launch_server(args: ServerArgs) -> int:
         except (ValueError, KeyboardInterrupt) as e:
             logger.error("%s", e)
             return 1
+    # CPython 3.11 can fail an AST conversion that runs while another thread converts one ("SystemError: AST
+    # constructor recursion depth mismatch", python/cpython#106905). anyio builds its lazy-import map that way
+    # when first imported, and both the tokenizer's imports (transformers -> huggingface_hub) and the HTTP app's
+    # (fastapi -> starlette) reach it: it is imported here, before the tokenizer's thread starts (~20 ms).
+    import anyio.abc  # noqa: F401
+
     # The HTTP side's tokenizer loads (importing torch through transformers) while the children start, off the
     # path to the first answer.
     loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
