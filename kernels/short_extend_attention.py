@@ -41,11 +41,14 @@ def short_splits(num_reqs: int, num_kv_heads: int, num_sms: int, kv_dtype: torch
     return decode_num_splits(num_reqs, num_kv_heads, num_sms, kv_dtype)
 
 
-def short_caps(max_reqs: int, num_kv_heads: int, num_sms: int, kv_dtype: torch.dtype | None = None):
-    """For batches of up to `max_reqs` requests: (the most (request, split) items, the most requests split more
-    than once, the most items of such a batch): the stage-1 grid, the merge grid and the partials' buffer."""
+def short_caps(
+    max_reqs: int, num_kv_heads: int, num_sms: int, kv_dtype: torch.dtype | None = None, least: int = 1
+):  # fmt: skip
+    """For batches of `least` to `max_reqs` requests (least = max_reqs: a batch of exactly that many): (the most
+    (request, split) items, the most requests split more than once, the most items of such a batch): the stage-1
+    grid, the merge grid and the partials' buffer."""
     items, merged, buffered = 0, 0, 0
-    for n in range(1, max(1, max_reqs) + 1):
+    for n in range(max(1, least), max(1, max_reqs) + 1):
         s = short_splits(n, num_kv_heads, num_sms, kv_dtype)
         items = max(items, n * s)
         if s > 1:

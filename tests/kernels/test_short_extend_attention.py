@@ -89,6 +89,9 @@ def test_short_caps_and_lengths():
     assert merged == max(n for n in range(1, 257) if decode_num_splits(n, 8, 132) > 1)
     assert buffered == max(n * decode_num_splits(n, 8, 132) for n in range(1, merged + 1))
     assert buffered < items  # many requests: one split each, no partials
+    s4 = decode_num_splits(4, 8, 132)
+    assert short_caps(4, 8, 132, least=4) == (4 * s4, 4, 4 * s4)  # one batch's own launch: exactly its count
+    assert short_caps(64, 8, 132, least=64) == (64, 0, 0)  # unsplit: no merge, no partials
     assert (short_max_tokens(4), short_max_tokens(8), short_max_tokens(7), short_max_tokens(64)) == (16, 8, 9, 0)
 
 

@@ -80,6 +80,11 @@ class ExtendLayout:
         return self.shorts_at + 4 * self.shorts + 2
 
 
+def _request_sections(dev: torch.Tensor, at: int, room: int) -> list[torch.Tensor]:
+    """The four per-request sections of a layout (req rows, prefix lens, extend lens, starts) from `at`."""
+    return [dev[at + sec * room : at + (sec + 1) * room] for sec in range(4)]
+
+
 class TritonAttnBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
@@ -159,12 +164,10 @@ class TritonAttnBackend(AttentionBackend):
             arr[sec * s : sec * s + len(one)] = [values[i] for i in one]
         c = layout.ctl_at
         arr[c : c + 2] = len(one), decode_num_splits(len(one), self.num_kv_heads, self.num_sms, self.kv_dtype)
-        m = layout.multis_at
-        for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
-            arr[m + sec * r : m + sec * r + len(multi)] = [values[i] for i in multi]
+        for at, room, picked in ((layout.multis_at, r, multi), (layout.shorts_at, layout.shorts, short)):
+            for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
+                arr[at + sec * room : at + sec * room + len(picked)] = [values[i] for i in picked]
         t, sh = layout.shorts_at, layout.shorts
-        for sec, values in enumerate((rows, prefix_lens, extend_lens, starts)):
-            arr[t + sec * sh : t + sec * sh + len(short)] = [values[i] for i in short]
         arr[t + 4 * sh : t + 4 * sh + 2] = (
             len(short),
             short_splits(len(short), self.num_kv_heads, self.num_sms, self.kv_dtype),
@@ -197,15 +200,14 @@ class TritonAttnBackend(AttentionBackend):
         sh = layout.shorts
         if exact and shorts or not exact and sh:
             t = layout.shorts_at
-            md.short = (*(dev[t + sec * sh : t + (sec + 1) * sh] for sec in range(4)), dev[t + 4 * sh : t + 4 * sh + 2])
-            if exact:
-                splits = short_splits(shorts, self.num_kv_heads, self.num_sms, self.kv_dtype)
-                md.short_caps = (shorts * splits, shorts if splits > 1 else 0, shorts * splits)
-            else:
-                md.short_caps = short_caps(sh, self.num_kv_heads, self.num_sms, self.kv_dtype)
+            md.short = (*_request_sections(dev, t, sh), dev[t + 4 * sh : t + 4 * sh + 2])
+            # a batch's own layout: exactly its count (no partials buffered where it is not split); a graph's:
+            # any count up to its room
+            most, least = (shorts, shorts) if exact else (sh, 1)
+            md.short_caps = short_caps(most, self.num_kv_heads, self.num_sms, self.kv_dtype, least)
         if r or not exact:
-            m, b = layout.multis_at, layout.blocks_at
-            md.multi = (*(dev[m + sec * r : m + (sec + 1) * r] for sec in range(4)), dev[b : b + 2 * nb].view(2, nb))
+            b = layout.blocks_at
+            md.multi = (*_request_sections(dev, layout.multis_at, r), dev[b : b + 2 * nb].view(2, nb))
         return md
 
     def init_forward_metadata_capture(self, bs: int, fb: ForwardBatch) -> None:
