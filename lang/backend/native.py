@@ -184,7 +184,7 @@ class RuntimeEndpoint(NativeBackend):
         timeout: float = 600,
     ):
         super().__init__()
-        import httpx
+        from radixlm.lang.backend.http_clients import ClientPool  # httpx is imported on first use
 
         if chat_template_name is not None:
             raise LangError(
@@ -193,26 +193,16 @@ class RuntimeEndpoint(NativeBackend):
             )
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # One client is shared by every thread of run_batch and fork, each with one request in flight at a time,
-        # so the pool is not capped: httpx's default (100 connections, 20 kept alive) would queue requests past
-        # 100 threads and close and reopen a connection for most calls past 20 (a 64-thread run_batch opened
-        # ~220 connections for 256 calls). Idle connections expire after 4 s, before uvicorn's default 5 s
-        # keep-alive closes them: at equal timeouts a POST can go out on a connection the server is closing, and
-        # httpx does not resend a POST ("Server disconnected without sending a response").
-        self.client = httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=timeout,
-            verify=True if verify is None else verify,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=4.0),
-        )
+        # Each request borrows a client no other thread uses meanwhile (see http_clients for why not one shared).
+        self._clients = ClientPool(self.base_url, headers, timeout, True if verify is None else verify)
         self.model_info = self._get("/get_model_info")
 
     def _get(self, path: str) -> dict:
         import httpx
 
         try:
-            r = self.client.get(path)
+            with self._clients.lend() as client:
+                r = client.get(path)
         except httpx.HTTPError as e:
             raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
@@ -233,7 +223,8 @@ class RuntimeEndpoint(NativeBackend):
         import httpx
 
         try:
-            r = self.client.post("/flush_cache")
+            with self._clients.lend() as client:
+                r = client.post("/flush_cache")
         except httpx.HTTPError as e:
             raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
         if r.status_code == 400:
@@ -254,7 +245,8 @@ class RuntimeEndpoint(NativeBackend):
         import httpx
 
         try:
-            r = self.client.post("/generate", json=payload)
+            with self._clients.lend() as client:
+                r = client.post("/generate", json=payload)
         except httpx.HTTPError as e:
             raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
@@ -266,7 +258,7 @@ class RuntimeEndpoint(NativeBackend):
         import httpx
 
         try:
-            with self.client.stream("POST", "/generate", json=payload) as r:
+            with self._clients.lend() as client, client.stream("POST", "/generate", json=payload) as r:
                 if r.status_code != 200:
                     r.read()
                     raise self._error(r)
@@ -281,7 +273,7 @@ class RuntimeEndpoint(NativeBackend):
             raise LangError(f"no server answered at {self.base_url}: {type(e).__name__}: {e}") from None
 
     def shutdown(self) -> None:
-        self.client.close()
+        self._clients.close()
 
 
 class EngineBackend(NativeBackend):

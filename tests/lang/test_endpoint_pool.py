@@ -1,6 +1,7 @@
-"""RuntimeEndpoint's HTTP connection pool under run_batch, against a stub server (no model): every program thread
-keeps its own kept-alive connection (no connect/close churn past httpx's default of 20 idle connections), and
-more than httpx's default of 100 requests can be in flight at once.
+"""RuntimeEndpoint's HTTP clients under run_batch, against a stub server (no model): a run_batch of N threads
+keeps about N kept-alive connections (no connect/close churn past httpx's default of 20 idle connections), more
+than httpx's default of 100 requests can be in flight at once, and no client (so no connection) is ever used by
+two requests at once (a shared httpx pool let one thread close a connection another had just taken).
 
 The stub holds each generate request at a barrier until `gather` of them are in flight, so the overlap the
 assertions need is made by the stub, not hoped for from a sleep: a client that cannot have `gather` requests
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -127,3 +129,81 @@ def test_run_batch_not_capped_at_100_requests_in_flight(stub):
     srv = stub(128)
     _run_batch(srv, 128)
     assert srv.peak == 128  # httpx's default max_connections=100 would queue 28 in the client: the barrier breaks
+
+
+def test_client_pool_lends_each_client_to_one_request_at_a_time():
+    from radixlm.lang.backend.http_clients import ClientPool
+
+    pool = ClientPool("http://127.0.0.1:9", {}, 5.0, True)
+    threads, rounds = 16, 50
+    in_use: set[int] = set()
+    seen: set[int] = set()
+    lock = threading.Lock()
+    clashes = []
+    start = threading.Barrier(threads)
+
+    def borrow():
+        start.wait()
+        for _ in range(rounds):
+            with pool.lend() as client:
+                with lock:
+                    if id(client) in in_use:
+                        clashes.append(id(client))
+                    in_use.add(id(client))
+                    seen.add(id(client))
+                time.sleep(0)  # let the other threads run while this one holds the client
+                with lock:
+                    in_use.discard(id(client))
+
+    workers = [threading.Thread(target=borrow) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert clashes == []
+    assert len(seen) <= threads  # given back and reused, not one client per request
+    with pool.lend() as client:
+        assert id(client) in seen  # an idle client is lent again
+    pool.close()
+    assert client.is_closed
+    with pytest.raises(sgl.LangError, match="shut down"):
+        with pool.lend():
+            pass
+
+
+class _QuickHandler(_Handler):
+    def do_POST(self):  # answered at once: no barrier
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with self.server.lock:
+            self.server.requests += 1
+        self._send({"text": " ok"})
+
+
+def test_client_pool_survives_connections_expiring_under_many_threads(stub):
+    """The shape of the CI failure (one of 128 programs: "ReadError: [Errno 9] Bad file descriptor"): kept-alive
+    connections expiring while many threads send. Expiry of 2 ms makes every idle gap an expiry; a single httpx
+    client shared by these threads failed ~1 request in 150 here, each with that error."""
+    from radixlm.lang.backend.http_clients import ClientPool
+
+    srv = stub(1)
+    srv.RequestHandlerClass = _QuickHandler
+    pool = ClientPool(f"http://127.0.0.1:{srv.server_address[1]}", {}, 30.0, True, keepalive_expiry=0.002)
+    threads, requests = 32, 50
+    errors = []
+
+    def send():
+        for _ in range(requests):
+            try:
+                with pool.lend() as client:
+                    assert client.post("/generate", json={}).json() == {"text": " ok"}
+            except Exception as e:  # noqa: BLE001 - every failure is what the test reports
+                errors.append(f"{type(e).__name__}: {e}")
+
+    workers = [threading.Thread(target=send) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    pool.close()
+    assert errors == []
+    assert srv.requests == threads * requests
