@@ -5,8 +5,8 @@ arithmetic: the module path runs ~70 small torch ops and ~10 nn.Module calls per
 trips around every int4 matmul, an 8-op RMSNorm, a rope that looks up cos/sin per layer). This loop holds the
 layers' tensors directly and runs the same math in far fewer calls:
 - with our C kernels (kernels/cpu.py, when a C compiler is there): per layer the four linears (torch's int4
-  op or F.linear) and four C calls: residual add + RMSNorm straight to the linear's bf16 input, rope + KV
-  store from the bf16 qkv output, silu * up in bf16, and the backend's attention (C for decode);
+  op, our Q4 GEMM or ops.cpu_linear) and four C calls: residual add + RMSNorm straight to the linear's bf16
+  input, rope + KV store from the bf16 qkv output, silu * up in bf16, and the backend's attention (C for decode);
 - with torch ops only: torch.rms_norm, the residual added in place (`residual += o`, bf16 o promoted exactly),
   rope on q and k together with cos/sin looked up once per forward: x * cos + roll(x, D/2) * [-sin, sin].
 Activations and the residual stay fp32; the int4 linears take bf16 (their op's only fast input) and their
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from radixlm.kernels import cpu as cpu_kernels
 from radixlm.srt.layers.basic import Linear
+from radixlm.srt.layers.ops import cpu_linear
 from radixlm.srt.layers.quantization.gguf_int4 import GROUP, Int4Linear, Q4DotLinear
 from radixlm.srt.model_executor.forward_batch import ForwardBatch
 
@@ -45,7 +46,7 @@ def _matmul(linear: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
             return lambda x: _int4_mm(x, packed, GROUP, sz)
         return lambda x: _int4_mm(x, packed, GROUP, sz) + b
     w = linear.weight
-    return lambda x: F.linear(x, w, b)
+    return lambda x: cpu_linear(x, w, b)
 
 
 def _input_dtype(linear: Linear) -> torch.dtype | None:

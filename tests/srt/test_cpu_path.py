@@ -151,3 +151,22 @@ def test_without_a_c_compiler_torch_ops_serve(cpu_engine, monkeypatch, tmp_path)
     finally:
         monkeypatch.delenv("CC")
         cpu_ext.build_variant.cache_clear()  # the next load() finds the cached library again
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 32, 33])
+def test_cpu_linear_equals_f_linear(rows):
+    """The torch set's linear computes float32 products of 2..32 rows as (w @ x.T).T: the same numbers as
+    F.linear (to float32 rounding), contiguous, bias added; other row counts and dtypes are F.linear itself."""
+    from radixlm.srt.layers.ops import cpu_linear
+
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(300, 96, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(rows, 96, generator=g)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    for bias in (None, b):
+        y = cpu_linear(x, w, bias)
+        assert y.shape == (rows, 300) and y.is_contiguous() and y.dtype == torch.float32
+        want = ref if bias is not None else ref - b.double()
+        assert rel_err(y.double(), want) < 1e-6
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(cpu_linear(xb, wb), torch.nn.functional.linear(xb, wb))
