@@ -39,24 +39,21 @@ class ServerProcesses:
         self.procs: dict[str, mp.Process] = {}
         self.stopping = False
 
-    def start(self, model_path: str, tokenizer_path: str) -> dict:
+    def start(self, model_path: str, tokenizer_path: str, tokenizer: concurrent.futures.Future) -> dict:
+        """Start both children and wait until they are ready. `tokenizer`: this process's tokenizer, loading.
+
+        The detokenizer gets a pickled copy of it instead of loading its own: transformers' AutoTokenizer imports
+        torch (seconds of CPU that would compete with the scheduler's model load), while unpickling imports only
+        the tokenizer's class, and the copy is the very object the HTTP side tokenizes with."""
         from radixlm.srt.cpu_guard import guard_wanted
 
         ctx = mp.get_context("spawn")
         pid = os.getpid()
         pipes = {}
+        setup_recv, setup_send = ctx.Pipe(duplex=False)
         targets = {
             "scheduler": (_run_scheduler, (self.args, model_path, tokenizer_path, self.endpoints, pid)),
-            "detokenizer": (
-                _run_detokenizer,
-                (
-                    self.args.log_level,
-                    tokenizer_path,
-                    self.endpoints,
-                    pid,
-                    guard_wanted(self.args.scheduler_cpus, self.args.device),
-                ),
-            ),
+            "detokenizer": (_run_detokenizer, (self.args.log_level, self.endpoints, pid, setup_recv)),
         }
         for name, (fn, fn_args) in targets.items():
             recv, send = ctx.Pipe(duplex=False)
@@ -67,6 +64,16 @@ class ServerProcesses:
             proc.start()
             send.close()
             self.procs[name], pipes[name] = proc, recv
+        setup_recv.close()
+        try:
+            try:
+                tok = tokenizer.result()
+            except Exception as e:  # noqa: BLE001 - any failure to load is the server's failure to start
+                raise RuntimeError(f"cannot load the tokenizer from {tokenizer_path}: {e}") from e
+            # torch is imported by now (transformers' AutoTokenizer imports it), so asking for CUDA costs nothing
+            setup_send.send({"tokenizer": tok, "cpu_guard": guard_wanted(self.args.scheduler_cpus, self.args.device)})
+        finally:
+            setup_send.close()  # the detokenizer, if not sent its setup, sees the pipe closed and exits
         info = {}
         deadline = time.monotonic() + _READY_TIMEOUT_S
         for name, pipe in pipes.items():
@@ -164,7 +171,7 @@ def launch_server(args: ServerArgs) -> int:
     loading.shutdown(wait=False)
     procs = ServerProcesses(args)
     try:
-        info = procs.start(resolved.model_path, resolved.tokenizer_path)
+        info = procs.start(resolved.model_path, resolved.tokenizer_path, tokenizer_future)
     except (RuntimeError, KeyboardInterrupt) as e:
         logger.error("%s", e)
         procs.stop()

@@ -12,20 +12,26 @@ import zmq
 from radixlm.srt.cpu_guard import CpuGuard, read_lost_ticks
 from radixlm.srt.managers.detokenizer import IncrementalDetokenizer
 from radixlm.srt.managers.io_struct import BatchStrOutput, BatchTokenOutput
-from radixlm.srt.model_loader.hf_loader import load_tokenizer
 from radixlm.srt.utils import configure_logging, die_with_parent, freeze_startup_objects, parent_alive
 
 logger = logging.getLogger(__name__)
 
 
-def run_detokenizer_process(
-    log_level: str, tokenizer_path: str, endpoints: dict, parent_pid: int, cpu_guard: bool, ready
-) -> None:
+def run_detokenizer_process(log_level: str, endpoints: dict, parent_pid: int, setup, ready) -> None:
+    """`setup`: a pipe on which the server process sends {"tokenizer": its tokenizer (pickled on the way),
+    "cpu_guard": whether to guard this loop's CPU}, or which it closes when it failed to load one."""
     die_with_parent()
     configure_logging(log_level, "[detokenizer] ")
     started = read_lost_ticks()
     try:
-        detok = IncrementalDetokenizer(load_tokenizer(tokenizer_path))
+        try:
+            given = setup.recv()
+        except EOFError:
+            sys.exit(1)  # the server process could not load the tokenizer; it reports why and stops
+        finally:
+            setup.close()
+        cpu_guard = given["cpu_guard"]
+        detok = IncrementalDetokenizer(given["tokenizer"])
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(endpoints["detokenizer"])

@@ -176,6 +176,9 @@ def test_sigterm_shuts_down_cleanly():
         pids = httpx.get(f"{srv.url}/get_server_info").json()["process_ids"]
         assert os.sched_getaffinity(pids["scheduler"]) == {cpu}  # pinned as asked; the others left alone
         assert os.sched_getaffinity(pids["detokenizer"]) == os.sched_getaffinity(0)
+        # the detokenizer was sent the server's tokenizer, pickled: it never loads torch (seconds of start-up)
+        with open(f"/proc/{pids['detokenizer']}/maps") as f:
+            assert "libtorch" not in f.read()
         assert len(glob.glob(f"{tmp}/radixlm-ipc-*")) == 1
         start = time.monotonic()
         assert srv.stop(timeout=20) == 0
@@ -206,3 +209,30 @@ def test_killed_scheduler_makes_server_exit_nonzero():
     assert saw_unhealthy
     time.sleep(0.5)
     assert not pid_alive(pids["detokenizer"])
+
+
+def test_a_tokenizer_that_does_not_load_fails_the_start_cleanly(tmp_path):
+    """A --tokenizer-path with nothing loadable: the server exits 1 saying so, and its children (the
+    detokenizer waits for the server's tokenizer; the scheduler loads its own) are gone with it."""
+    import subprocess
+    import sys
+
+    from radixlm.srt.utils import kill_on_parent_death
+    from tests.helpers import free_port, group_alive
+
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(free_port()), "--tokenizer-path", str(tmp_path)]
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=kill_on_parent_death
+    )
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    assert f"cannot load the tokenizer from {tmp_path}" in err, err[-2000:]
+    deadline = time.monotonic() + 10
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_alive(proc.pid) == []
