@@ -224,12 +224,10 @@ class ServerProcess:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
-    import socket
+    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call (see radixlm._net)."""
+    from radixlm._net import free_local_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_local_port()
 
 
 def pid_alive(pid: int) -> bool:

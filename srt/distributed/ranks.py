@@ -28,6 +28,7 @@ import traceback
 
 import torch
 
+from radixlm._net import free_local_port
 from radixlm.srt.distributed.parallel import SINGLE, TensorParallel, init_tensor_parallel
 from radixlm.srt.distributed.step_record import FORWARD, STOP, StepChannel, decode, encode
 
@@ -37,9 +38,7 @@ _IDLE = datetime.timedelta(days=30)  # a worker waits for the next step as long 
 
 
 def free_init_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_local_port()}"
 
 
 def backend_for(device: str) -> str:

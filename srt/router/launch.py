@@ -8,13 +8,13 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from radixlm._net import free_local_port
 from radixlm.srt.router.policy import POLICIES, PolicyConfig
 from radixlm.srt.utils import configure_logging
 
@@ -72,12 +72,6 @@ def main(argv: list[str]) -> None:
 
 
 # --- data parallelism on one host ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def replica_env(i: int, dp: int, tp: int, device: str, gpus: int, cpus: int) -> dict[str, str]:
     """Replica i's environment: its own GPUs (tp of them), or its share of the CPUs."""
     env = dict(os.environ)
@@ -104,7 +98,7 @@ def run_data_parallel(argv: list[str], args) -> int:
             )
     base = _strip(argv, ("--dp-size", "--port", "--host", "--api-key", "--policy", "--cache-threshold",
                          "--balance-abs", "--balance-rel", "--health-interval", "--index-capacity"))  # fmt: skip
-    ports = [_free_port() for _ in range(args.dp_size)]
+    ports = [free_local_port() for _ in range(args.dp_size)]
     procs = []
     for i, port in enumerate(ports):
         cmd = [sys.executable, "-m", "radixlm.launch_server", *base, "--host", "127.0.0.1", "--port", str(port)]

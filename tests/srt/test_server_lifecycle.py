@@ -236,3 +236,19 @@ def test_a_tokenizer_that_does_not_load_fails_the_start_cleanly(tmp_path):
     while group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_alive(proc.pid) == []
+
+
+def test_free_local_port_is_outside_the_ephemeral_range():
+    """Ports picked for servers, workers and rendezvous lie below the kernel's ephemeral range (which a group's
+    own sockets draw from while the server starts) and are free when picked."""
+    import socket
+
+    from radixlm._net import free_local_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first = int(f.read().split()[0])
+    ports = {free_local_port() for _ in range(20)}
+    assert len(ports) > 1 and all(20000 <= p < first for p in ports), ports
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
