@@ -17,10 +17,10 @@ from radixlm.kernels.rope import rope_and_store_ref
 
 def cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ b), the torch set's linear. On a CPU in float32 with 2..32 rows it is computed as (w @ x.T).T:
-    MKL's sgemm for x @ w.T packs the weight first and so streams it from memory at about half the rate that
-    (w @ x.T) reads it (2-2.5x slower at 2-3 rows, measured on every projection of the embedded model's shape,
-    weights cold as in a forward; even with it up to 32 rows, and slower beyond). One row (MKL's GEMV) and bfloat16
-    keep F.linear, which is as fast or faster there."""
+    MKL's sgemm for x @ w.T packs the weight first and so streams it from memory at a fraction of the rate that
+    (w @ x.T) reads it (2-5x slower at 2-3 rows on every projection of the embedded model's shape, weights cold
+    as in a forward; as fast or slower up to 32 rows; faster beyond). One row (MKL's GEMV) and bfloat16 keep
+    F.linear, which is as fast or faster there."""
     if x.dtype == torch.float32 and x.dim() == 2 and 2 <= x.shape[0] <= 32 and x.device.type == "cpu":
         y = torch.mm(w, x.t()).t().contiguous()
         return y if b is None else y.add_(b)
