@@ -32,7 +32,7 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
     server included) is killed if it runs past the timeout, and must be gone when it exits."""
     # As a user with only the base install runs it (the openai client added for the example that uses it): the
     # extras' packages are hidden from it and from the servers it starts (test_readme_base_install.py).
-    from tests.examples.test_readme_base_install import OPENAI_CLIENT, base_env
+    from tests.examples.base_install import OPENAI_CLIENT, base_env
 
     env, _ = base_env(
         Path(tempfile.mkdtemp(prefix=f"example-{name}-")), allow=OPENAI_CLIENT if "openai" in name else frozenset()
