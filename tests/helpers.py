@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from radixlm._net import free_local_port as free_port
 from radixlm.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 # test-started servers and routers die with the test's process: a worker killed (for memory, say) must not leave
@@ -221,13 +222,6 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call (see radixlm._net)."""
-    from radixlm._net import free_local_port
-
-    return free_local_port()
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,10 +14,6 @@ from radixlm._net import free_local_port
 from radixlm.lang.backend.base import LangError
 
 
-def free_port() -> int:
-    return free_local_port()
-
-
 @dataclass
 class ServerProcess:
     popen: subprocess.Popen
@@ -43,7 +39,7 @@ class ServerProcess:
 def launch_server(model_path, port, timeout, api_key, server_args: dict) -> tuple[ServerProcess, str]:
     import httpx
 
-    port = port or free_port()
+    port = port or free_local_port()
     cmd = [sys.executable, "-m", "radixlm.launch_server", "--port", str(port), "--host", "127.0.0.1"]
     if model_path:
         cmd += ["--model-path", str(model_path)]

@@ -179,8 +179,11 @@ def base_env(tmp_path: Path, allow: set[str] = frozenset()) -> tuple[dict, Path]
 # --- running a program ------------------------------------------------------------------------------------------
 
 
-def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), cwd: Path | None = None) -> str:
-    """Run `python *args` seeing only the base install; it must exit 0 and leave no process behind. Its stdout."""
+def run_base(
+    args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), cwd: Path | None = None, timeout: float = TIMEOUT
+) -> str:
+    """Run `python *args` seeing only the base install; it must exit 0 within `timeout` s and leave no process
+    behind (its whole process group, a server it started included, is killed past the timeout). Its stdout."""
     env, log = base_env(tmp_path, allow)
     proc = subprocess.Popen(
         [sys.executable, *args],
@@ -193,11 +196,11 @@ def run_base(args: list[str], tmp_path: Path, *, allow: set[str] = frozenset(), 
         preexec_fn=kill_on_parent_death,
     )
     try:
-        out, err = proc.communicate(timeout=TIMEOUT)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{args} ran past {TIMEOUT} s\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
+        pytest.fail(f"{args} ran past {timeout} s\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
     leftover = group_alive(proc.pid)
     if leftover:
         os.killpg(proc.pid, signal.SIGKILL)

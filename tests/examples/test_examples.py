@@ -8,18 +8,11 @@ import ast
 import json
 import math
 import operator
-import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-from radixlm.srt.utils import kill_on_parent_death
-from tests.helpers import group_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds per example
@@ -31,35 +24,12 @@ def run_example(name: str, *args: str) -> tuple[dict, str]:
     """Run examples/NAME.py; return its RESULT json and its stdout. Its whole process group (an example's
     server included) is killed if it runs past the timeout, and must be gone when it exits."""
     # As a user with only the base install runs it (the openai client added for the example that uses it): the
-    # extras' packages are hidden from it and from the servers it starts (test_readme_base_install.py).
-    from tests.examples.base_install import OPENAI_CLIENT, base_env
+    # extras' packages are hidden from it and from the servers it starts (tests/examples/base_install.py).
+    from tests.examples.base_install import OPENAI_CLIENT, run_base
 
-    env, _ = base_env(
-        Path(tempfile.mkdtemp(prefix=f"example-{name}-")), allow=OPENAI_CLIENT if "openai" in name else frozenset()
-    )
-    proc = subprocess.Popen(
-        [sys.executable, f"examples/{name}.py", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=kill_on_parent_death,
-        env=env,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{name}.py ran past {TIMEOUT} s\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
-    leftover = group_alive(proc.pid)
-    if leftover:
-        os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, (
-        f"{name}.py exited {proc.returncode}\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}"
-    )
-    assert not leftover, f"{name}.py exited but left processes running: {leftover}"
+    allow = OPENAI_CLIENT if "openai" in name else frozenset()
+    tmp = Path(tempfile.mkdtemp(prefix=f"example-{name}-"))
+    out = run_base([f"examples/{name}.py", *args], tmp, allow=allow, cwd=ROOT, timeout=TIMEOUT)
     results = [line[len("RESULT ") :] for line in out.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 1, f"{name}.py printed {len(results)} RESULT lines:\n{out[-3000:]}"
     result = json.loads(results[0])
